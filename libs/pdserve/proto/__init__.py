@@ -1,0 +1,1 @@
+"""Generated gRPC stubs live in ``pdserve.proto.v1`` (``make protos``); never edit them."""

@@ -1,0 +1,1 @@
+"""pdserve services: each a separate process, ``python -m services.<name>``."""

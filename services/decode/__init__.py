@@ -1,0 +1,1 @@
+"""The pdserve decode service."""
