@@ -198,9 +198,9 @@ def parse_rope(cfg: Mapping[str, Any], architecture: str) -> RopeConfig:
     for key in ("low_freq_factor", "high_freq_factor"):
         if key not in params:
             raise ValueError(f"rope scaling 'llama3' needs field {key!r}")
-    original = params.get("original_max_position_embeddings") or cfg.get(
-        "max_position_embeddings"
-    )
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        original = _require(cfg, "max_position_embeddings")
     return RopeConfig(
         theta=theta, rope_type="llama3", factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),

@@ -14,7 +14,7 @@ from pdserve.attention.base import AttentionBackend
 from pdserve.models.config import ModelConfig, RopeConfig
 
 
-def _param(*shape: int) -> nn.Parameter:
+def empty_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
@@ -23,8 +23,8 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = _param(out_features, in_features)
-        self.bias = _param(out_features) if bias else None
+        self.weight = empty_param(out_features, in_features)
+        self.bias = empty_param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -33,7 +33,7 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.weight = _param(size)
+        self.weight = empty_param(size)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,15 +45,21 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Neox-style RoPE (rotate halves); cos/sin are built once per forward for all layers."""
+    """Neox-style RoPE (rotate halves); cos/sin are built once per forward for all layers.
+
+    ``inv_freq`` is a plain attribute, not a buffer: ``model.to(bfloat16)`` must not round it,
+    and models are built on the meta device, which would leave a buffer empty.
+    """
 
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", rope.inv_freq(head_dim), persistent=False)
-        self.inv_freq: torch.Tensor
+        with torch.device("cpu"):
+            self.inv_freq = rope.inv_freq(head_dim)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
 
@@ -82,7 +88,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        # Backends may scatter v into a cache or hand it to a kernel: give them dense memory.
+        v = v.contiguous().view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attn.forward(self.layer_id, q, k, v)
         return self.o_proj(out.reshape(num_tokens, -1))
 

@@ -1,0 +1,72 @@
+"""One decoder for Llama, Mistral, Qwen2, Mixtral and Qwen2-MoE: they differ only in biases,
+tied embeddings and the MLP kind, all read from ModelConfig."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.attention.base import AttentionBackend
+from pdserve.models.base import CausalLM
+from pdserve.models.config import ModelConfig
+from pdserve.models.layers import Attention, GatedMLP, RMSNorm, Rotary, empty_param
+from pdserve.models.moe import SparseMoe
+from pdserve.models.weights import WeightRouter
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module
+        moe = config.moe
+        if moe is not None and layer_id not in moe.dense_layers:
+            self.mlp = SparseMoe(config.hidden_size, moe)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderLM(CausalLM):
+    """Parameter names mirror the Hugging Face ones minus the ``model.`` prefix, except for
+    fused tensors (``qkv_proj``, ``gate_up_proj``, expert ``w13``/``w2``); see weights.py."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = empty_param(config.vocab_size, config.hidden_size)
+        self.rotary = Rotary(config.rope, config.head_dim)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else empty_param(
+            config.vocab_size, config.hidden_size
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, attn)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        router = WeightRouter(self.config, dict(self.named_parameters()))
+        for name, tensor in weights:
+            router.load(name, tensor)
+        router.check_complete()

@@ -1,0 +1,143 @@
+"""load_model: a built-in name or a local Hugging Face directory -> LoadedModel."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from pdserve.models import builtin
+from pdserve.models import builtin_tokenizer as btok
+from pdserve.models.base import CausalLM
+from pdserve.models.config import ModelConfig, parse_hf_config, resolve_dtype
+from pdserve.models.decoder import DecoderLM
+from pdserve.tokenizer import Tokenizer
+
+_PROGRESS_MIN_BYTES = 100 * 2**20
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+
+def load_model(
+    source: str, dtype: str = "auto", device: str | torch.device = "cpu"
+) -> LoadedModel:
+    """``source``: a built-in (``tiny``, ``tiny-moe``, ``bench-50m``, optionally ``@<seed>``)
+    or a local Hugging Face directory. ``dtype``: auto | float32 | bfloat16 | float16."""
+    parsed = builtin.parse_builtin(source)
+    if parsed is not None:
+        return _load_builtin(*parsed, dtype=dtype, device=torch.device(device))
+    path = Path(source)
+    if path.is_dir():
+        return _load_dir(path, dtype=dtype, device=torch.device(device))
+    if path.exists():
+        raise ValueError(f"model source {source!r} is a file; give a model directory")
+    if "/" in source or source.startswith("."):
+        raise FileNotFoundError(f"model directory {source!r} does not exist")
+    raise ValueError(
+        f"unknown model {source!r}: not a built-in ({', '.join(builtin.BUILTIN_MODELS)}) "
+        "and no such directory"
+    )
+
+
+def _build(config: ModelConfig, device: torch.device,
+           weights: Iterable[tuple[str, torch.Tensor]]) -> CausalLM:
+    # Meta first, so no memory is touched until the real weights arrive.
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    model = model.to(config.dtype).to_empty(device=device)
+    with torch.no_grad():
+        model.load_weights(weights)
+    return model.eval()
+
+
+def _load_builtin(name: str, seed: int, dtype: str, device: torch.device) -> LoadedModel:
+    cfg = builtin.hf_config(name)
+    tokenizer = builtin_tokenizer()
+    config = parse_hf_config(
+        cfg, dtype=resolve_dtype(dtype, cfg), eos_token_ids=tokenizer.eos_token_ids,
+        fingerprint=f"{name}@{seed}",
+    )
+    model = _build(config, device, builtin.iter_weights(name, seed))
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer)
+
+
+def builtin_tokenizer() -> Tokenizer:
+    """The built-in models' tokenizer (same as the one ``save_builtin`` writes)."""
+    import tokenizers
+
+    cfg = btok.tokenizer_config()
+    return Tokenizer(
+        tokenizers.Tokenizer.from_str(btok.tokenizer_json()), bos_token=btok.BOS,
+        eos_token=btok.EOS, eos_token_ids=(1,), chat_template=str(cfg["chat_template"]),
+    )
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files (from the shard index when there is one)."""
+    index = path / _INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"shard {file.name} listed in {_INDEX_FILE} is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights found in {path}")
+    return files
+
+
+def fingerprint(config_text: str, files: list[Path]) -> str:
+    """sha256 of config.json's text and the sorted weight file names and sizes (no full read:
+    a re-exported checkpoint with other bytes but equal sizes is assumed to be the same)."""
+    h = hashlib.sha256(config_text.encode())
+    for file in sorted(files, key=lambda f: f.name):
+        h.update(f"\n{file.name}:{file.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def _iter_files(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    total = sum(f.stat().st_size for f in files)
+    show = total > _PROGRESS_MIN_BYTES or len(files) > 1
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights",
+              file=sys.stderr, disable=not show) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    tensor = f.get_tensor(name)
+                    yield name, tensor
+                    bar.update(tensor.numel() * tensor.element_size())
+
+
+def _load_dir(path: Path, dtype: str, device: torch.device) -> LoadedModel:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"config.json not found in {path}")
+    config_text = config_file.read_text(encoding="utf-8")
+    cfg = json.loads(config_text)
+    files = weight_files(path)
+    tokenizer = Tokenizer.from_dir(path)
+    eos = tokenizer.eos_token_ids
+    if not eos and cfg.get("eos_token_id") is not None:
+        raw = cfg["eos_token_id"]
+        eos = (raw,) if isinstance(raw, int) else tuple(raw)
+    config = parse_hf_config(
+        cfg, dtype=resolve_dtype(dtype, cfg), eos_token_ids=tuple(eos),
+        fingerprint=fingerprint(config_text, files),
+    )
+    model = _build(config, device, _iter_files(files))
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer)

@@ -1,0 +1,167 @@
+"""Tokenizer: a ``tokenizers.Tokenizer`` plus what a Hugging Face model directory says around it
+(BOS/EOS, chat template), and an incremental detokenizer for streaming.
+
+Chat prompts already contain the BOS text when the template writes ``{{ bos_token }}``, so
+callers encode rendered chat prompts with ``add_special_tokens=False``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+_REPLACEMENT = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+
+
+def _token_text(token: Any) -> str | None:
+    """tokenizer_config writes special tokens as a string or as an AddedToken dict."""
+    if isinstance(token, Mapping):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+@dataclass
+class DetokenizeState:
+    """Streaming position in one sequence. Only the ids still needed are kept:
+    ``ids[:read_offset]`` is text already emitted (kept as left context, because some decoders
+    render a token differently at the start of a string), ``ids[read_offset:]`` is pending."""
+
+    ids: list[int] = field(default_factory=list)
+    read_offset: int = 0
+    skip_special_tokens: bool = True
+
+    @classmethod
+    def from_prompt(
+        cls, prompt_ids: Sequence[int], skip_special_tokens: bool = True, context: int = 6
+    ) -> DetokenizeState:
+        tail = list(prompt_ids[-context:])
+        return cls(ids=tail, read_offset=len(tail), skip_special_tokens=skip_special_tokens)
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        eos_token_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+        add_bos_token: bool | None = None,
+        add_eos_token: bool | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token_id = self._tok.token_to_id(bos_token) if bos_token else None
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        # None: trust the tokenizer.json post-processor; a bool overrides it (tokenizer_config).
+        self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
+
+    @classmethod
+    def from_dir(cls, directory: str | Path) -> Tokenizer:
+        path = Path(directory)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"tokenizer.json not found in {path}")
+        tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        cfg = _read_json(path / "tokenizer_config.json")
+        bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+        eos_ids = _read_json(path / "generation_config.json").get("eos_token_id")
+        if eos_ids is None and eos is not None and tok.token_to_id(eos) is not None:
+            eos_ids = tok.token_to_id(eos)
+        eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default")
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(
+            tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, chat_template=template,
+            add_bos_token=cfg.get("add_bos_token"), add_eos_token=cfg.get("add_eos_token"),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        return self._tok
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not add_special_tokens or (self.add_bos_token is None and self.add_eos_token is None):
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
+        if self.add_bos_token and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        if self.add_eos_token and self.eos_token_ids:
+            ids.append(self.eos_token_ids[0])
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template (tokenizer_config.json "
+                             "'chat_template' or chat_template.jinja); use a plain prompt")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_exception
+        template = env.from_string(self.chat_template)
+        try:
+            return template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
+            )
+        except TemplateError as e:
+            raise ValueError(f"chat template failed on these messages: {e}") from e
+
+    def decode_incremental(self, state: DetokenizeState, new_id: int) -> str:
+        """Append ``new_id``; return the text it completes ("" while a UTF-8 sequence or a
+        word is still open). Concatenated deltas plus ``flush`` equal ``decode`` of all ids."""
+        state.ids.append(new_id)
+        skip = state.skip_special_tokens
+        prefix = self.decode(state.ids[: state.read_offset], skip)
+        full = self.decode(state.ids, skip)
+        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
+            return ""
+        # Text is emitted: the emitted ids become left context, older context is dropped.
+        del state.ids[: state.read_offset]
+        state.read_offset = len(state.ids)
+        return full[len(prefix):]
+
+    def flush(self, state: DetokenizeState) -> str:
+        """Whatever is still pending at the end of a stream (e.g. an unfinished UTF-8 byte)."""
+        prefix = self.decode(state.ids[: state.read_offset], state.skip_special_tokens)
+        full = self.decode(state.ids, state.skip_special_tokens)
+        del state.ids[: state.read_offset]
+        state.read_offset = len(state.ids)
+        return full[len(prefix):]
