@@ -1,0 +1,223 @@
+"""The engine: requests in, one batched model step at a time, tokens out.
+
+    add_request -> WAITING -> step() ... -> RequestOutput(finished=True)
+    step() = schedule -> run -> postprocess
+
+Hooks for the disaggregated services: ``prefill_only`` requests stop after their first token
+and keep their pages (HELD) until ``release``; every step reports the full blocks it completed
+(hash, page id), ``export_blocks`` copies pages out in the wire layout and ``import_blocks``
+scatters received blocks into free pages registered in the prefix cache, so a request added
+next reuses them instead of recomputing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pdserve.attention import get_backend
+from pdserve.engine.config import EngineArgs
+from pdserve.engine.kv_cache import KVCacheManager, PagedKVCache
+from pdserve.engine.request import EngineStats, Request, RequestOutput, RequestStatus
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampler import Sampler, SamplerOutput
+from pdserve.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.engine.stop import check_stop
+from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.models import LoadedModel
+
+
+class Engine:
+    def __init__(self, lm: LoadedModel, args: EngineArgs | None = None) -> None:
+        args = args or EngineArgs()
+        cfg = lm.config
+        self.args, self.config, self.tokenizer = args, cfg, lm.tokenizer
+        device = torch.device(args.device)
+        bs = args.block_size
+        per_block = PagedKVCache.bytes_per_block(cfg.num_layers, bs, cfg.num_kv_heads,
+                                                 cfg.head_dim, cfg.dtype)
+        num_blocks = args.num_blocks or max(1, args.kv_cache_memory_bytes // per_block)
+        self.cache = PagedKVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads,
+                                  cfg.head_dim, cfg.dtype, device)
+        self.kv = KVCacheManager(num_blocks, bs, cfg.fingerprint, args.enable_prefix_caching)
+        backend = get_backend(args.attention_backend, self.cache.layers, cfg.num_heads)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
+        self.runner = ModelRunner(lm.model, self.kv, backend, Sampler(args.seed, device), device)
+        self.device = device
+        self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._pending: list[RequestOutput] = []  # abort notices, delivered by the next step
+        self._counters = {"prefill": 0, "decode": 0}
+
+    @classmethod
+    def from_model(cls, model: str, args: EngineArgs | None = None) -> Engine:
+        """Load a built-in name or a Hugging Face directory and build an engine on it."""
+        from pdserve.models import load_model
+
+        args = args or EngineArgs()
+        return cls(load_model(model, dtype=args.dtype, device=args.device), args)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str = "", prefill_only: bool = False) -> None:
+        """Queue a request; raises ValueError naming the bad field."""
+        self._validate(request_id, prompt_token_ids, params)
+        max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(self.device).manual_seed(params.seed)
+        req = Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+            arrival=next(self._arrivals), max_len=max_len,
+            eos_token_ids=frozenset(self.config.eos_token_ids), priority=priority,
+            cache_salt=cache_salt, prefill_only=prefill_only, generator=gen)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if len(prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; the model's context "
+                             f"(max_model_len) is {self.max_model_len}, leaving no room to "
+                             "generate")
+        vocab = self.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}) (vocab_size); "
+                             f"got {bad[:5]}")
+        max_len = min(len(prompt) + params.max_tokens, self.max_model_len)
+        if self.kv.num_blocks_for(max_len) > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt + max_tokens ({max_len} tokens) needs more KV blocks "
+                             f"than the cache has (num_blocks={self.kv.pool.num_blocks})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request at any point and free its pages; False if it is unknown."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.status == RequestStatus.HELD:
+            self.release(request_id)
+            return True
+        self.scheduler.finish(req, "abort")
+        del self.requests[request_id]
+        self._pending.append(RequestOutput(request_id, [], finished=True, finish_reason="abort"))
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free the pages a finished prefill_only request still holds."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.HELD:
+            raise ValueError(f"request_id {request_id!r} is not a held prefill_only request")
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        del self.requests[request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        sampled = self.runner.run(batch)
+        return self._postprocess(batch, sampled)
+
+    def _postprocess(self, batch: ScheduledBatch,
+                     sampled: SamplerOutput | None) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        if batch.is_empty and self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError("no request can be scheduled: the KV cache is full of pages "
+                               f"held by {self._num_held()} prefill_only requests")
+        results = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled else iter(())
+        for req, num_new in zip(batch.reqs, batch.num_new_tokens, strict=True):
+            kind = "prefill" if req.num_tokens_to_compute > 1 else "decode"
+            self._counters[kind] += num_new
+            req.num_computed_tokens += num_new
+            out = RequestOutput(req.request_id, [], new_full_blocks=self.kv.commit(req),
+                                num_prompt_tokens=req.num_prompt_tokens,
+                                num_prefix_hit_tokens=req.num_prefix_hit_tokens)
+            if req.num_computed_tokens == req.num_tokens:
+                token, logprob = next(results)
+                req.token_ids.append(token)
+                out.new_token_ids = [token]
+                out.logprobs = None if logprob is None else [logprob]
+                reason = "stop" if req.prefill_only else check_stop(req, self.tokenizer)
+                if reason is not None:
+                    self._finish(req, reason, out)
+            if out.new_token_ids or out.new_full_blocks or out.finished:
+                outputs.append(out)
+        return outputs
+
+    def _finish(self, req: Request, reason: str, out: RequestOutput) -> None:
+        self.scheduler.finish(req, reason)
+        out.finished, out.finish_reason, out.stop_text = True, reason, req.stop_text
+        if req.status == RequestStatus.HELD:
+            num_full = req.num_computed_tokens // self.kv.block_size
+            out.block_hashes = req.block_hashes[:num_full]
+            out.page_ids = self.kv.blocks_of(req.request_id)[:num_full]
+        else:
+            del self.requests[req.request_id]
+
+    # -- KV block transfer ----------------------------------------------------------------
+
+    def export_blocks(self, page_ids: list[int], out: torch.Tensor) -> None:
+        """Copy pages into ``out`` [n, layers, 2, block_size, kv_heads, head_dim]."""
+        bad = [p for p in page_ids if not 0 <= p < self.kv.pool.num_blocks]
+        if bad:
+            raise ValueError(f"page_ids out of range [0, {self.kv.pool.num_blocks}): {bad[:5]}")
+        self.cache.export_pages(page_ids, out)
+
+    def import_blocks(self, hashes: list[bytes], data: torch.Tensor) -> int:
+        """Scatter wire-layout blocks into free pages, cached under ``hashes`` (a chain from
+        the first block). Returns how many were newly imported (already cached ones and those
+        beyond the free pages are skipped)."""
+        if not self.args.enable_prefix_caching:
+            raise ValueError("import_blocks needs enable_prefix_caching=True")
+        if data.shape[0] != len(hashes):
+            raise ValueError(f"data has {data.shape[0]} blocks but hashes has {len(hashes)}")
+        todo, pages, pinned = self.kv.import_begin(hashes)
+        if todo:
+            self.cache.import_pages(pages, data[torch.tensor(todo)])
+        self.kv.import_end([hashes[i] for i in todo], pages, pinned)
+        return len(todo)
+
+    # -- introspection --------------------------------------------------------------------
+
+    def _num_held(self) -> int:
+        return sum(1 for r in self.requests.values() if r.status == RequestStatus.HELD)
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting), num_running=len(self.scheduler.running),
+            num_held=self._num_held(), num_blocks_free=pool.num_free,
+            num_blocks_used=pool.num_used, num_blocks_cached=pool.num_cached,
+            num_prefill_tokens=self._counters["prefill"],
+            num_prefix_hit_tokens=self.scheduler.prefill.num_hit_tokens,
+            num_decode_tokens=self._counters["decode"],
+            num_preemptions=self.scheduler.decode.num_preemptions)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.pool.reset_prefix_cache()
+
+    def describe(self) -> dict[str, Any]:
+        return {"num_blocks": self.kv.pool.num_blocks, "block_size": self.kv.block_size,
+                "max_model_len": self.max_model_len,
+                "attention_backend": type(self.runner.backend).__name__}

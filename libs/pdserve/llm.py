@@ -1,0 +1,115 @@
+"""Offline API: ``LLM(model).generate(prompts, params) -> list[Completion]``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pdserve.engine.config import EngineArgs
+from pdserve.engine.engine import Engine
+from pdserve.engine.request import Logprob
+from pdserve.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    logprobs: list[Logprob] | None = None
+
+
+class LLM:
+    """One in-process engine. ``model``: a built-in name ("tiny", "tiny-moe", "bench-50m") or
+    a Hugging Face directory; ``engine_args``: any EngineArgs field."""
+
+    _ids = itertools.count()
+
+    def __init__(self, model: str, dtype: str = "auto", **engine_args: Any) -> None:
+        known = {f.name for f in fields(EngineArgs)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        self.engine = Engine.from_model(model, EngineArgs(dtype=dtype, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids instead")
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt must be a string or a list of int token ids")
+        return ids
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[Completion]:
+        batch = _as_prompt_list(prompts)
+        plist = _as_params_list(params, len(batch))
+        encoded = [self.encode(p) for p in batch]
+        ids = [f"llm-{next(self._ids)}" for _ in encoded]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, encoded, plist, strict=True):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                self.engine.abort(rid)
+            self.engine.step()  # drain the abort notices
+            raise
+        return self._run(ids, encoded, plist)
+
+    def _run(self, ids: list[str], prompts: list[list[int]],
+             plist: list[SamplingParams]) -> list[Completion]:
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        logprobs: dict[str, list[Logprob]] = {rid: [] for rid in ids}
+        done: dict[str, tuple[str, str | None]] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                logprobs[out.request_id] += out.logprobs or []
+                if out.finished:
+                    done[out.request_id] = (out.finish_reason or "stop", out.stop_text)
+        results = []
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            reason, stop_text = done[rid]
+            text = stop_text if stop_text is not None else self._decode(tokens[rid])
+            results.append(Completion(prompt, tokens[rid], text, reason,
+                                      logprobs[rid] if p.logprobs is not None else None))
+        return results
+
+    def _decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if not items:
+        raise ValueError("prompts must not be empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [items]  # one prompt given as token ids
+    return items
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None,
+                    n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    plist = list(params)
+    if len(plist) != n:
+        raise ValueError(f"params has {len(plist)} entries for {n} prompts")
+    return plist
