@@ -1,0 +1,297 @@
+"""``pdserve up``: the whole stack on one machine, each service its own process.
+
+    redis-server (private, unless REDIS_URL is given)
+    node-i: kvd-i + one engine (prefill or decode)      [disaggregated]
+    engine-i (colocated, no kvd)                        [--colocated]
+    router -> gateway (HTTP)
+
+Ports are picked up front, so a service that dies is restarted on the same address and the
+router finds it again without a restart of its own. Ctrl-C (or SIGTERM) stops everything, in
+reverse order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+READY = re.compile(r"pdserve (\w+) listening on (\S+):(\d+)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def parse_cpus(spec: str) -> list[set[int]]:
+    """``"0;1"`` -> [{0}, {1}]; ``"0-1"`` -> [{0, 1}]; one set per instance, cycled."""
+    groups: list[set[int]] = []
+    for group in filter(None, spec.split(";")):
+        cpus: set[int] = set()
+        for part in group.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        groups.append(cpus)
+    return groups
+
+
+@dataclass
+class Proc:
+    """One supervised child: its command, where it listens, and how often it was restarted."""
+
+    name: str
+    args: list[str]
+    port: int
+    cpus: set[int] | None = None
+    popen: subprocess.Popen[str] | None = None
+    restarts: int = 0
+    log_tail: list[str] = field(default_factory=list)
+
+    def start(self, env: dict[str, str]) -> None:
+        cpus = self.cpus
+
+        def pin() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        self.popen = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, preexec_fn=pin)
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+
+    def _drain_stderr(self) -> None:
+        assert self.popen is not None and self.popen.stderr is not None
+        for line in self.popen.stderr:
+            self.log_tail = [*self.log_tail[-40:], line.rstrip()]
+            if os.environ.get("PDSERVE_UP_VERBOSE"):
+                sys.stderr.write(f"[{self.name}] {line}")
+
+    def wait_ready(self, timeout: float) -> None:
+        assert self.popen is not None and self.popen.stdout is not None
+        deadline = time.monotonic() + timeout
+        result: list[str] = []
+        reader = threading.Thread(target=lambda: result.append(self.popen.stdout.readline()),  # type: ignore[union-attr]
+                                  daemon=True)
+        reader.start()
+        reader.join(max(0.0, deadline - time.monotonic()))
+        if not result or not READY.search(result[0]):
+            tail = "\n  ".join(self.log_tail[-15:])
+            raise RuntimeError(f"{self.name} did not become ready (exit code "
+                               f"{self.popen.poll()}); its last log lines:\n  {tail}")
+        threading.Thread(target=self._drain_stdout, daemon=True).start()
+
+    def _drain_stdout(self) -> None:
+        assert self.popen is not None and self.popen.stdout is not None
+        for _ in self.popen.stdout:
+            pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def _module(name: str) -> list[str]:
+    return [sys.executable, "-m", f"services.{name}"]
+
+
+def _args(ns: argparse.Namespace) -> argparse.Namespace:
+    if ns.colocated:
+        ns.prefill = 0
+    elif ns.prefill < 1 or ns.decode < 1:
+        raise SystemExit("pdserve up: error: --prefill and --decode must be >= 1 "
+                         "(or use --colocated)")
+    return ns
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve up", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="tiny", help="built-in model name or a local HF directory")
+    p.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = free port)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill instances (one node each)")
+    p.add_argument("--decode", type=int, default=1, help="decode instances (one node each)")
+    p.add_argument("--colocated", action="store_true",
+                   help="engines doing both phases (the baseline); --decode of them")
+    p.add_argument("--policy", default="cache_aware",
+                   choices=["cache_aware", "least_load", "round_robin"])
+    p.add_argument("--keys-file", default="", help="API keys file; none = loopback without auth")
+    p.add_argument("--prefill-cpus", default="", help="CPU sets per prefill instance, e.g. '0;1'")
+    p.add_argument("--decode-cpus", default="", help="CPU sets per decode/colocated instance")
+    p.add_argument("--kvd-capacity-mib", type=int, default=256, help="pool size of each kvd")
+    p.add_argument("--engine-arg", action="append", default=[],
+                   help="extra flag for every engine, e.g. --engine-arg=--max-num-seqs=32")
+    p.add_argument("--ready-timeout", type=float, default=180.0)
+    p.add_argument("--no-restart", action="store_true", help="report dead services, do not restart")
+    return p
+
+
+class Stack:
+    """The processes of one local cluster, started in dependency order."""
+
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.ns = ns
+        self.procs: list[Proc] = []
+        self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}",
+                    "PYTHONUNBUFFERED": "1", "UCXPY_PROGRESS_MODE": "blocking"}
+        self.redis_url = os.environ.get("REDIS_URL", "")
+        self.redis: subprocess.Popen[bytes] | None = None
+        self.stopping = threading.Event()
+
+    def _start_redis(self) -> None:
+        if self.redis_url:
+            return
+        exe = shutil.which("redis-server")
+        if exe is None:
+            print("pdserve up: no REDIS_URL and no redis-server on PATH: running without the "
+                  "prefix index (install redis-server for cache-aware routing)", file=sys.stderr)
+            return
+        port = free_port(self.ns.host)
+        self.redis = subprocess.Popen([exe, "--port", str(port), "--bind", self.ns.host,
+                                       "--save", "", "--appendonly", "no"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.redis_url = f"redis://{self.ns.host}:{port}/0"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((self.ns.host, port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("private redis-server did not start")
+
+    def _add(self, name: str, module: str, flags: list[str], cpus: set[int] | None = None,
+             port: int | None = None) -> Proc:
+        port = free_port(self.ns.host) if port is None else port
+        args = [*_module(module), "--host", self.ns.host, "--port", str(port), *flags]
+        proc = Proc(name, args, port, cpus)
+        self.procs.append(proc)
+        return proc
+
+    def plan(self) -> None:
+        ns, redis = self.ns, ["--redis-url", self.redis_url] if self.redis_url else []
+        prefill_cpus, decode_cpus = parse_cpus(ns.prefill_cpus), parse_cpus(ns.decode_cpus)
+        engines: dict[str, list[str]] = {"prefill": [], "decode": []}
+        roles = [("prefill", ns.prefill, prefill_cpus),
+                 ("decode", ns.decode, decode_cpus)]
+        for role, count, cpus in roles:
+            for i in range(count):
+                cpu = cpus[i % len(cpus)] if cpus else None
+                threads = ["--threads", str(len(cpu))] if cpu else []
+                kvd_flags: list[str] = []
+                if not ns.colocated:
+                    kvd = self._add(f"kvd-{role[0]}{i}", "kvd",
+                                    [*redis, "--node-id", f"node-{role[0]}{i}",
+                                     "--capacity-mib", str(ns.kvd_capacity_mib)])
+                    kvd_flags = ["--kvd", f"{ns.host}:{kvd.port}"]
+                engine_role = "colocated" if ns.colocated else role
+                eng = self._add(f"{role}-{i}", role,
+                                ["--model", ns.model, "--role", engine_role,
+                                 "--instance-id", f"{role[0]}{i}", *kvd_flags, *redis, *threads,
+                                 *ns.engine_arg], cpu)
+                engines[role].append(f"{ns.host}:{eng.port}")
+        router = self._add("router", "router",
+                           [*redis, "--model", ns.model, "--policy", ns.policy,
+                            "--prefill", ",".join(engines["prefill"]),
+                            "--decode", ",".join(engines["decode"])])
+        self.router_address = f"{ns.host}:{router.port}"
+        http_port = ns.port or free_port(ns.host)
+        gw_flags = ["--router", self.router_address, "--grpc-port", "0"]
+        if ns.keys_file:
+            gw_flags += ["--keys-file", ns.keys_file]
+        self.gateway = self._add("gateway", "gateway", gw_flags, port=http_port)
+
+    def start(self) -> None:
+        self._start_redis()
+        self.plan()
+        for proc in self.procs:
+            proc.start(self.env)
+            proc.wait_ready(self.ns.ready_timeout)
+            print(f"  {proc.name:12s} {self.ns.host}:{proc.port}", flush=True)
+
+    def supervise(self) -> None:
+        """Report (and unless --no-restart, restart) services that die, until stopped."""
+        while not self.stopping.wait(0.5):
+            for proc in self.procs:
+                if proc.popen is None or proc.popen.poll() is None:
+                    continue
+                code = proc.popen.returncode
+                tail = "\n  ".join(proc.log_tail[-5:])
+                print(f"pdserve up: {proc.name} exited with code {code}; last log lines:\n  {tail}",
+                      file=sys.stderr, flush=True)
+                if self.ns.no_restart:
+                    proc.popen = None
+                    continue
+                proc.restarts += 1
+                time.sleep(min(5.0, 0.5 * proc.restarts))
+                proc.start(self.env)
+                try:
+                    proc.wait_ready(self.ns.ready_timeout)
+                    print(f"pdserve up: {proc.name} restarted on {self.ns.host}:{proc.port}",
+                          file=sys.stderr, flush=True)
+                except RuntimeError as exc:
+                    print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for proc in reversed(self.procs):
+            proc.stop()
+        if self.redis is not None:
+            self.redis.terminate()
+            self.redis.wait(timeout=10)
+
+
+def _banner(stack: Stack) -> None:
+    ns = stack.ns
+    base = f"http://{ns.host}:{stack.gateway.port}/v1"
+    auth = "" if ns.keys_file else "(no API keys: loopback only, without auth)"
+    print(f"pdserve router: {stack.router_address}")
+    print(f"pdserve redis: {stack.redis_url or 'none'}")
+    print(f"""
+Try it {auth}:
+  curl {base}/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{ns.model}", "prompt": "Hello", "max_tokens": 16}}'
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='none'); \\
+print(c.completions.create(model='{ns.model}', prompt='Hello', max_tokens=16).choices[0].text)"
+""")
+    print(f"pdserve ready: {base}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _args(build_parser().parse_args(argv))
+    stack = Stack(ns)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stack.stopping.set())
+    try:
+        stack.start()
+    except (RuntimeError, OSError) as exc:
+        print(f"pdserve up: error: {exc}", file=sys.stderr)
+        stack.stop()
+        return 1
+    _banner(stack)
+    try:
+        stack.supervise()
+    finally:
+        print("pdserve up: stopping", flush=True)
+        stack.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
