@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from pdserve.hashing import HASH_LEN, block_checksum, hash_blocks
 
 

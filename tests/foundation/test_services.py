@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
-READY = re.compile(r"pdserve (\w+) listening on ([\d.]+):(\d+)(?: \(grpc health on [\d.]+:(\d+)\))?")
+READY = re.compile(
+    r"pdserve (\w+) listening on ([\d.]+):(\d+)(?: \(grpc health on [\d.]+:(\d+)\))?")
 EXPECTED = {
     "router": {"pdserve.v1.Router"},
     "prefill": {"pdserve.v1.Prefill", "pdserve.v1.Engine"},
@@ -85,7 +86,8 @@ def test_service_serves_health_and_reflection_and_stops(service: str) -> None:
 @pytest.mark.parametrize(("service", "args", "env", "needle"), [
     ("router", ["--policy", "random"], {}, "--policy: invalid value 'random' (accepted: "
                                            "cache_aware, least_load, round_robin)"),
-    ("kvd", ["--port", "99999"], {}, "--port: invalid value '99999' (accepted: an integer 0..65535)"),
+    ("kvd", ["--port", "99999"], {},
+     "--port: invalid value '99999' (accepted: an integer 0..65535)"),
     ("prefill", [], {"PDSERVE_PREFILL_MAX_NUM_SEQS": "lots"},
      "PDSERVE_PREFILL_MAX_NUM_SEQS: invalid value 'lots' (accepted: an integer >= 1)"),
     ("decode", [], {"PDSERVE_LOG_FORMAT": "xml"},
