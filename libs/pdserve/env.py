@@ -143,6 +143,15 @@ def _engine_flags(role_default: str) -> tuple[Flag, ...]:
         Flag("threads", int_kind(0), 0, "torch CPU threads; 0 = torch's default"),
         _redis_flag(),
         Flag("advertise", STR, "", "address others reach this instance at (default host:port)"),
+        Flag("max-model-len", int_kind(0), 0, "longest sequence (prompt + output); 0 = model's"),
+        Flag("default-max-tokens", int_kind(1), 256, "max_tokens when a request leaves it 0"),
+        Flag("kvd-secret", STR, "", "shared secret the kvd expects from local clients"),
+        Flag("kvd-timeout", float_kind(0.01), 30.0,
+             "seconds a kvd call may take (a decode's own RPC deadline wins when shorter)"),
+        Flag("registry-prefix", STR, "pdserve:", "key prefix of the instance registry in Redis"),
+        Flag("registry-ttl", float_kind(0.5), 10.0,
+             "seconds the registry entry lives without a heartbeat (beats every ttl/3)"),
+        Flag("stats-window", float_kind(0.1), 10.0, "seconds of the recent tokens/s window"),
     )
 
 
@@ -158,6 +167,7 @@ SERVICE_FLAGS: dict[str, tuple[Flag, ...]] = {
         Flag("model-name", STR, "", "model id to expose (default: the router's)"),
         Flag("max-body-bytes", int_kind(1024), 4 * 1024 * 1024, "largest request body"),
         Flag("request-timeout", float_kind(0.1), 600.0, "seconds before a request is abandoned"),
+        Flag("max-choices", int_kind(1), 64, "most choices (n x prompts) in one request"),
         Flag("instance-id", STR, "", "id in logs and traces"),
     ),
     "router": _section(
@@ -176,6 +186,10 @@ SERVICE_FLAGS: dict[str, tuple[Flag, ...]] = {
         Flag("quotas-file", STR, "", "per-tenant quotas file (JSON); empty = no quotas"),
         Flag("max-retries", int_kind(0), 2, "extra attempts on another instance"),
         Flag("poll-interval", float_kind(0.05), 1.0, "seconds between instance health/stats polls"),
+        Flag("registry-prefix", STR, "pdserve:", "key prefix of the instance registry in Redis"),
+        Flag("index-prefix", STR, "", "key prefix of the prefix index; empty = the index's default"),
+        Flag("index-timeout", float_kind(0.001), 0.05,
+             "seconds one index lookup may take before routing by load only"),
     ),
     "prefill": _section("prefill", *_common(50061), *_engine_flags("prefill")),
     "decode": _section("decode", *_common(50071), *_engine_flags("decode")),

@@ -1,0 +1,119 @@
+"""OpenAI's error JSON, and where each error comes from: validation, auth, or a router status.
+
+``{"error": {"message", "type", "param", "code"}}`` with the HTTP status a client's retry logic
+expects: 400 bad params (``param`` names the field), 401 key, 404 model, 429 quota (with
+``Retry-After``), 503 no capacity, 504 deadline.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from pydantic import ValidationError
+
+from services.gateway.schema import FieldError
+
+# gRPC status -> (HTTP status, OpenAI error type, code).
+_FROM_GRPC: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "no_capacity"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),
+    grpc.StatusCode.CANCELLED: (499, "server_error", "cancelled"),
+}
+
+# Per-field hints for union-typed fields, whose raw pydantic messages name an arbitrary branch.
+_UNION_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+@dataclass
+class ApiError(Exception):
+    """An error answered to the client in OpenAI's shape."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.message}"
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def json_bytes(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError(401, message, "authentication_error", code="invalid_api_key")
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError) -> ApiError:
+    """Map a router status to HTTP; ``retry-after`` trailing metadata becomes Retry-After."""
+    code = exc.code()
+    status, kind, err_code = _FROM_GRPC.get(code, (500, "server_error", "internal_error"))
+    message = exc.details() or code.name
+    param = None
+    if status == 400:
+        # The router names the field first ("max_tokens: must be >= 1").
+        head = message.split(":", 1)[0]
+        param = head if head.replace(".", "_").replace("[", "").replace("]", "").isidentifier() \
+            else None
+    elif status == 404:
+        param = "model"
+    headers = {}
+    for key, value in exc.trailing_metadata() or ():
+        if key == "retry-after":
+            headers["Retry-After"] = str(value)
+    return ApiError(status, message, kind, param, err_code, headers)
+
+
+def from_validation(exc: ValidationError) -> ApiError:
+    """The first problem, with ``param`` in OpenAI's spelling (``messages[0].content``)."""
+    errors = exc.errors()
+    err = errors[0]
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, FieldError):
+        return bad_request(str(cause), cause.param)
+    if err["type"] == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {err['msg']}")
+    raw_loc = err["loc"]
+    loc = [p for p in raw_loc if isinstance(p, int) or ("[" not in p and p not in _TYPE_TAGS)]
+    if not loc:
+        return bad_request(f"request body: {err['msg']}")
+    param = format_loc(loc)
+    message = str(err["msg"]).removeprefix("Value error, ")
+    if len(loc) < len(raw_loc) and err["type"] != "value_error":
+        # A union type whose every branch failed: say what is accepted instead.
+        field_loc = loc[: next(i for i, p in enumerate(raw_loc) if p not in loc)]
+        param = format_loc(field_loc)
+        last = next((p for p in reversed(field_loc) if isinstance(p, str)), "")
+        message = f"must be {_UNION_HINTS.get(last, 'of an accepted type')}"
+    return bad_request(f"{param}: {message}", param)
+
+
+def format_loc(loc: list[int | str]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out

@@ -1,0 +1,40 @@
+"""Prometheus metrics of the gateway, in a registry of their own (one per app, so tests can run
+several gateways in one process without colliding on the global registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets from 1 ms (the hot path's budget) to minutes (long generations).
+_LATENCY = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_gateway_requests", "HTTP requests answered",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("pdserve_gateway_request_seconds",
+                                 "request latency, arrival to last byte", ["endpoint"],
+                                 buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("pdserve_gateway_ttft_seconds",
+                              "time to first token, arrival to first generated token",
+                              ["endpoint"], buckets=_LATENCY, registry=r)
+        self.tokens = Counter("pdserve_gateway_tokens", "tokens processed", ["kind"], registry=r)
+        self.in_flight = Gauge("pdserve_gateway_in_flight", "requests in progress", registry=r)
+        self.router_errors = Counter("pdserve_gateway_router_errors",
+                                     "router calls that ended with an error status", ["code"],
+                                     registry=r)
+        self.disconnects = Counter("pdserve_gateway_client_disconnects",
+                                   "requests whose client went away (router call cancelled)",
+                                   registry=r)
+        self._prompt = self.tokens.labels("prompt")
+        self._completion = self.tokens.labels("completion")
+
+    def count_tokens(self, prompt: int, completion: int) -> None:
+        self._prompt.inc(prompt)
+        self._completion.inc(completion)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

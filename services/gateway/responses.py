@@ -1,0 +1,148 @@
+"""OpenAI response shapes: whole responses, SSE chunks, and logprobs.
+
+Token strings in logprobs: the router sends text per message, and ids (no strings) for the top
+alternatives, and the gateway holds no tokenizer. So a sampled token's string is its message's
+text when that message carries exactly one token (the router's usual cadence), and
+``token_id:<id>`` otherwise (vLLM's spelling of an undecoded token); alternatives are
+``token_id:<id>`` unless they are the sampled token. ``text_offset`` is exact for one-token
+messages and the message's start offset otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.proto.v1 import common_pb2, router_pb2
+
+from services.gateway.errors import ApiError
+from services.gateway.generate import Choice, usage_of
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def _tokens(msg: router_pb2.GenerateResponse) -> list[str]:
+    if len(msg.logprobs) == 1 and len(msg.token_ids) <= 1:
+        return [msg.text]
+    return [f"token_id:{p.sampled.token_id}" for p in msg.logprobs]
+
+
+def _alt(pos: common_pb2.PositionLogprobs, token: str, alt_id: int) -> str:
+    return token if alt_id == pos.sampled.token_id else f"token_id:{alt_id}"
+
+
+def chat_logprobs(msg: router_pb2.GenerateResponse) -> list[dict[str, Any]]:
+    """``choices[].logprobs.content`` entries of one router message."""
+    out = []
+    for token, pos in zip(_tokens(msg), msg.logprobs, strict=True):
+        top = []
+        for alt in pos.top:
+            alt_token = _alt(pos, token, alt.token_id)
+            top.append({"token": alt_token, "logprob": alt.logprob,
+                        "bytes": list(alt_token.encode())})
+        out.append({"token": token, "logprob": pos.sampled.logprob,
+                    "bytes": list(token.encode()), "top_logprobs": top})
+    return out
+
+
+def completion_logprobs(entries: Sequence[tuple[router_pb2.GenerateResponse, int]]
+                        ) -> dict[str, list[Any]]:
+    """Legacy completions logprobs: parallel lists over generated tokens."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for msg, offset in entries:
+        for token, pos in zip(_tokens(msg), msg.logprobs, strict=True):
+            tokens.append(token)
+            token_logprobs.append(pos.sampled.logprob)
+            top = {token: pos.sampled.logprob}
+            top.update({_alt(pos, token, a.token_id): a.logprob for a in pos.top})
+            top_logprobs.append(top)
+            offsets.append(offset)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def completion_body(rid: str, created: int, model: str, choices: Sequence[Choice], n: int,
+                    logprobs: bool) -> dict[str, Any]:
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": i, "text": c.text, "finish_reason": c.finish,
+                     "logprobs": completion_logprobs(c.logprobs) if logprobs else None}
+                    for i, c in enumerate(choices)],
+        "usage": usage_of(choices, n),
+    }
+
+
+def chat_body(rid: str, created: int, model: str, choices: Sequence[Choice], n: int,
+              logprobs: bool) -> dict[str, Any]:
+    def lp(c: Choice) -> dict[str, Any] | None:
+        if not logprobs:
+            return None
+        return {"content": [e for msg, _ in c.logprobs for e in chat_logprobs(msg)],
+                "refusal": None}
+
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": i, "finish_reason": c.finish, "logprobs": lp(c),
+                     "message": {"role": "assistant", "content": c.text, "refusal": None}}
+                    for i, c in enumerate(choices)],
+        "usage": usage_of(choices, n),
+        "system_fingerprint": None,
+    }
+
+
+class ChunkWriter:
+    """SSE chunks of one stream; the constant head of every chunk is encoded once."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool, include_usage: bool,
+                 logprobs: bool) -> None:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": rid, "object": obj, "created": created, "model": model}
+        self._head = b"data: " + _dumps(head)[:-1].encode() + b',"choices":'
+        self._tail = b',"usage":null}\n\n' if include_usage else b"}\n\n"
+        self.chat = chat
+        self.logprobs = logprobs
+        self._offsets: dict[int, int] = {}
+
+    def role(self, index: int) -> bytes:
+        """Chat's first chunk of a choice: the assistant role, no content yet."""
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._head + _dumps([choice]).encode() + self._tail
+
+    def chunk(self, index: int, msg: router_pb2.GenerateResponse, finish: str | None
+              ) -> bytes | None:
+        """The chunk of one router message, or None when it carries nothing to show."""
+        if not msg.text and finish is None and not (self.logprobs and msg.logprobs):
+            return None
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            choice["delta"] = {"content": msg.text} if msg.text else {}
+            lp: dict[str, Any] | None = (
+                {"content": chat_logprobs(msg), "refusal": None} if self.logprobs else None)
+        else:
+            choice["text"] = msg.text
+            offset = self._offsets.get(index, 0)
+            lp = completion_logprobs([(msg, offset)]) if self.logprobs else None
+            self._offsets[index] = offset + len(msg.text)
+        choice["logprobs"] = lp
+        choice["finish_reason"] = finish
+        return self._head + _dumps([choice]).encode() + self._tail
+
+    def usage(self, choices: Sequence[Choice], n: int) -> bytes:
+        """The final ``include_usage`` chunk: usage, and no choices."""
+        return self._head + b'[],"usage":' + _dumps(usage_of(choices, n)).encode() + b"}\n\n"
+
+
+def sse_error(error: ApiError) -> bytes:
+    return b"data: " + _dumps(error.body()).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def dumps(obj: Any) -> bytes:
+    return _dumps(obj).encode()

@@ -1,0 +1,59 @@
+"""The gateway's only way out: one persistent ``grpc.aio`` channel to the router.
+
+Every call carries a deadline; a cancelled caller cancels its call (``Call.cancel``), which the
+router sees as the client going away and propagates down to the engines.
+"""
+
+from __future__ import annotations
+
+import grpc
+from grpc.aio import UnaryStreamCall as GenerateCall  # of GenerateRequest -> GenerateResponse
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve.proto.v1 import router_pb2, router_pb2_grpc
+
+_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+class RouterClient:
+    def __init__(self, address: str, timeout: float) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._default_model: str | None = None
+
+    def generate(self, request: router_pb2.GenerateRequest) -> GenerateCall:
+        """Start one streamed generation; read it with ``await call.read()``."""
+        return self._stub.Generate(request, timeout=self.timeout)
+
+    async def list_models(self, timeout: float = 5.0) -> list[router_pb2.ModelInfo]:
+        reply = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout)
+        if reply.models and self._default_model is None:
+            self._default_model = reply.models[0].id
+        return list(reply.models)
+
+    async def default_model(self) -> str:
+        """The router's first model (fetched once: the gateway's ``--model-name`` aliases it)."""
+        if self._default_model is None:
+            models = await self.list_models()
+            if not models:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "router serves no model")
+        assert self._default_model is not None
+        return self._default_model
+
+    async def check(self, timeout: float = 2.0) -> bool:
+        """True when the router answers its gRPC health check with SERVING."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""),
+                                             timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def close(self) -> None:
+        await self._channel.close()

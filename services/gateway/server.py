@@ -1,0 +1,98 @@
+"""The gateway process's two servers in one asyncio loop: uvicorn (HTTP, the OpenAI API) and a
+small ``grpc.aio`` server that answers ``grpc.health.v1`` and reflection like every pdserve
+process. ``GatewayServer.start()`` binds both (port 0 = a free one); ``stop()`` drains both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+from pdserve.server import Service, make_server
+
+from services.gateway.app import Gateway, create_app
+from services.gateway.auth import KeyStore
+from services.gateway.config import GatewayConfig
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.router_client import RouterClient
+
+log = logging.getLogger(__name__)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: the process's main owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind {host}:{port}: {exc.strerror}") from exc
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class GatewayServer:
+    def __init__(self, config: GatewayConfig, keys: KeyStore, grace: int = 5) -> None:
+        self.config = config
+        self.keys = keys
+        self.grace = grace
+        self.http_port = 0
+        self.grpc_port = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Bind and start both servers; return once HTTP accepts connections."""
+        config = self.config
+        self.client = RouterClient(config.router, config.request_timeout)
+        self.gateway = Gateway(config, self.client, self.keys, GatewayMetrics())
+        self._sock = _bind(config.host, config.port)
+        self.http_port = int(self._sock.getsockname()[1])
+        self._grpc: Service = make_server(config.host, config.grpc_port, [])
+        self.grpc_port = self._grpc.port
+        await self._grpc.server.start()
+        uv_config = uvicorn.Config(create_app(self.gateway), log_config=None, access_log=False,
+                                   lifespan="off", timeout_graceful_shutdown=self.grace,
+                                   server_header=False)
+        self._http = _Uvicorn(uv_config)
+        self._task = asyncio.create_task(self._http.serve(sockets=[self._sock]))
+        while not self._http.started:
+            if self._task.done():  # failed to start: surface its error
+                await self._task
+                raise OSError("HTTP server stopped during startup")
+            await asyncio.sleep(0.01)
+        await self._grpc.set_serving(True)
+        if not self.keys.enabled:
+            log.warning("no API keys configured: serving without authentication")
+        log.info("serving", extra={"fields": {"http_port": self.http_port,
+                                              "grpc_port": self.grpc_port,
+                                              "router": config.router, "keys": len(self.keys)}})
+
+    @property
+    def ready_line(self) -> str:
+        host = self.config.host
+        return (f"pdserve gateway listening on {host}:{self.http_port} "
+                f"(grpc health on {host}:{self.grpc_port})")
+
+    async def stop(self) -> None:
+        """Say NOT_SERVING, let in-flight requests finish (up to ``grace``), close everything."""
+        await self._grpc.set_serving(False)
+        self._http.should_exit = True
+        if self._task is not None:
+            await self._task
+        await self._grpc.server.stop(self.grace)
+        await self.client.close()
+        self._sock.close()
