@@ -2,15 +2,68 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from pdserve.server import Service, make_server, run_main
+
 from services.router.config import RouterConfig
+from services.router.core import Router
+from services.router.instances import InstancePool
+from services.router.model import ModelSpec, load_model_spec
+from services.router.policy import make_policy
+from services.router.prefix import IndexClient, PrefixLookup
+from services.router.quotas import QuotaBook, load_quotas
+from services.router.requests import Limits
 from services.router.servicer import servicers
 
+log = logging.getLogger(__name__)
 
-async def create_server(config: RouterConfig) -> Service:
-    return make_server(config.host, config.port, servicers())
+
+def _redis_index(config: RouterConfig) -> PrefixLookup | None:
+    if not config.redis_url:
+        return None
+    try:
+        from pdserve.index import RedisPrefixIndex
+    except ImportError as exc:
+        log.warning("no prefix index (pdserve.index missing): routing by load only",
+                    extra={"fields": {"error": str(exc)}})
+        return None
+    kwargs = {"prefix": config.index_prefix} if config.index_prefix else {}
+    index: PrefixLookup = RedisPrefixIndex(config.redis_url, **kwargs)
+    return index
+
+
+def build_router(config: RouterConfig, model: ModelSpec | None = None,
+                 index: PrefixLookup | None = None) -> Router:
+    """The router of ``config``; tests and benchmarks may pass the model and index in."""
+    import redis.asyncio as aioredis
+
+    redis = None
+    if config.redis_url:
+        redis = aioredis.Redis.from_url(config.redis_url, socket_timeout=1.0,
+                                        socket_connect_timeout=1.0)
+    pool = InstancePool(config.prefill, config.decode, redis, config.registry_prefix,
+                        check_timeout=min(1.0, max(0.2, config.poll_interval)))
+    quotas = load_quotas(config.quotas_file) if config.quotas_file else {}
+    return Router(
+        model=model or load_model_spec(config.model), pool=pool,
+        index=IndexClient(index if index is not None else _redis_index(config),
+                          config.index_timeout),
+        policy=make_policy(config.policy), quotas=QuotaBook(quotas),
+        block_size=config.block_size,
+        limits=Limits(config.max_prompt_tokens, config.max_tokens),
+        max_concurrent=config.max_concurrent, max_retries=config.max_retries,
+        poll_interval=config.poll_interval)
+
+
+async def create_server(config: RouterConfig, model: ModelSpec | None = None,
+                        index: PrefixLookup | None = None) -> Service:
+    router = build_router(config, model, index)
+    svc = make_server(config.host, config.port, servicers(router))
+    svc.on_start.append(router.start)
+    svc.on_stop.append(router.stop)
+    return svc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,211 @@
+"""Router core: the life cycle of one request.
+
+    Generate(request)
+      1. prepare   validate, tokenize (chat through the template), resolve max_tokens
+      2. admit     tenant quota (tokens + concurrency), the router's --max-concurrent
+      3. look up   hash the prompt's full blocks; ONE index round trip -> node: blocks held
+      4. place     policy.choose(query, healthy prefills, healthy decodes)
+      5. prefill   Prefill.Prefill(destination = the decode node's kvd) -> first token;
+                   failed / RESOURCE_EXHAUSTED -> placed again without that instance
+      6. stream    first token + placement; done here when prefill says it is final
+      7. decode    Decode.Decode(blocks, first token) -> chunks relayed as they come;
+                   fails before its first chunk -> another decode pulls from prefill's kvd;
+                   fails after -> the client has the tokens so far, then UNAVAILABLE
+      8. finish    final message carries finish_reason and usage; quota refunded
+    Colocated engines skip 5-6: their Decode prefills too. Every outbound call gets the
+    deadline left on the client's; on client cancel, deadline or error the calls in flight are
+    cancelled and Engine.Abort is sent best effort (the engine frees the request's blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry.context import Context
+from pdserve.hashing import hash_blocks
+from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
+
+from services.router import metrics
+from services.router.flow import Flow, relay_decode, run_prefill
+from services.router.instances import Instance, InstancePool
+from services.router.model import ModelSpec
+from services.router.policy import Choice, RouteQuery, RoutingPolicy
+from services.router.prefix import IndexClient
+from services.router.quotas import QuotaBook, QuotaExceeded
+from services.router.requests import Limits, RouteError, prepare
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterCounters:
+    num_requests: int = 0
+    num_prefix_hit_blocks: int = 0
+    num_prompt_blocks: int = 0
+
+
+@dataclass
+class Router:
+    model: ModelSpec
+    pool: InstancePool
+    index: IndexClient
+    policy: RoutingPolicy
+    quotas: QuotaBook
+    block_size: int
+    limits: Limits
+    max_concurrent: int = 1024
+    max_retries: int = 2
+    poll_interval: float = 1.0
+    counters: RouterCounters = field(default_factory=RouterCounters)
+    num_in_flight: int = 0
+    _poll_task: asyncio.Task[None] | None = None
+    _background: set[asyncio.Task[object]] = field(default_factory=set)
+
+    async def start(self) -> None:
+        await self.poll()
+        self._poll_task = asyncio.create_task(self._poll_loop())
+
+    async def stop(self) -> None:
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+            await asyncio.gather(self._poll_task, return_exceptions=True)
+        await self.pool.close()
+
+    async def poll(self) -> None:
+        await asyncio.gather(self.pool.poll_once(), self.index.probe())
+        for name, role in (("prefill", common_pb2.ROLE_PREFILL), ("decode", common_pb2.ROLE_DECODE),
+                           ("colocated", common_pb2.ROLE_COLOCATED)):
+            metrics.HEALTHY_INSTANCES.labels(name).set(len(self.pool.healthy(role)))
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                await self.poll()
+            except Exception:  # the loop must outlive any one bad poll
+                log.exception("instance poll failed")
+
+    async def generate(self, request: router_pb2.GenerateRequest,
+                       time_remaining: Callable[[], float | None],
+                       trace_context: Context | None = None,
+                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Stream the answer to ``request``; raises ``RouteError`` for a status to return."""
+        arrived = time.perf_counter()
+        prepared = prepare(request, self.model, self.limits)
+        tenant = prepared.meta.tenant
+        cost = len(prepared.prompt_ids) + prepared.sampling.max_tokens
+        if self.num_in_flight >= self.max_concurrent:
+            raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"router: {self.num_in_flight} requests in flight "
+                             f"(--max-concurrent {self.max_concurrent})", retry_after=1.0)
+        try:
+            self.quotas.acquire(tenant, cost)
+        except QuotaExceeded as exc:
+            raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
+                             exc.retry_after) from exc
+        span = metrics.tracer.start_span("router.generate", context=trace_context)
+        span.set_attribute("pdserve.request_id", prepared.meta.request_id)
+        flow = Flow(prepared, time_remaining, metrics.trace_metadata(span), arrived,
+                    self.max_retries)
+        self.num_in_flight += 1
+        metrics.IN_FLIGHT.inc()
+        self.counters.num_requests += 1
+        try:
+            await self._look_up(flow)
+            async for message in self._run(flow):
+                yield message
+            flow.is_finished = True
+        finally:
+            self.num_in_flight -= 1
+            metrics.IN_FLIGHT.dec()
+            self.quotas.release(tenant, prepared.sampling.max_tokens - flow.num_tokens_sent)
+            if not flow.is_finished:
+                self._abort(flow)
+            span.set_attribute("pdserve.completion_tokens", flow.num_tokens_sent)
+            span.end()
+
+    async def _look_up(self, flow: Flow) -> None:
+        fingerprint, ids = self.model.fingerprint, flow.prepared.prompt_ids
+        hashes = hash_blocks(ids, self.block_size, fingerprint, flow.prepared.meta.cache_salt)
+        held = await self.index.lookup(hashes)
+        flow.query = RouteQuery(len(ids), self.block_size, len(hashes), held)
+
+    async def _run(self, flow: Flow) -> AsyncIterator[router_pb2.GenerateResponse]:
+        prefills = self.pool.healthy(common_pb2.ROLE_PREFILL)
+        decodes = self.pool.healthy(common_pb2.ROLE_DECODE)
+        if prefills and decodes:
+            first = await run_prefill(flow, self.policy, self.pool, prefills, decodes)
+            self._count_placement(flow)
+            yield first
+            if first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                return
+        else:
+            decodes = self.pool.healthy(common_pb2.ROLE_COLOCATED)
+            if not decodes:
+                raise RouteError(grpc.StatusCode.UNAVAILABLE, self._no_capacity())
+            flow.choice = self._place_colocated(flow, decodes)
+            self._count_placement(flow)
+        async for message in relay_decode(flow, self.policy, self.pool, decodes):
+            yield message
+
+    def _place_colocated(self, flow: Flow, decodes: list[Instance]) -> Choice:
+        assert flow.query is not None
+        choice = self.policy.choose(flow.query, [], decodes)
+        if choice is None:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, self._no_capacity())
+        return choice
+
+    def _count_placement(self, flow: Flow) -> None:
+        assert flow.choice is not None and flow.query is not None
+        p, d = flow.choice.prefill, flow.choice.decode
+        metrics.DECISIONS.labels(self.policy.name, p.instance_id if p else "", d.instance_id).inc()
+        self.counters.num_prompt_blocks += flow.query.num_blocks
+        self.counters.num_prefix_hit_blocks += flow.choice.cached_blocks
+        metrics.PROMPT_BLOCKS.inc(flow.query.num_blocks)
+        metrics.PREFIX_HIT_BLOCKS.inc(flow.choice.cached_blocks)
+
+    def _no_capacity(self) -> str:
+        states = ", ".join(f"{i.instance_id}({'up' if i.is_healthy else 'down'})"
+                           for i in self.pool.instances.values()) or "none known"
+        return f"no capacity: no healthy prefill+decode pair or colocated engine ({states})"
+
+    def _abort(self, flow: Flow) -> None:
+        """Best effort: tell every engine the request touched to drop it (fire and forget)."""
+        for inst in flow.touched:
+            task = asyncio.create_task(self._abort_one(inst, flow.prepared.meta.request_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    async def _abort_one(inst: Instance, request_id: str) -> None:
+        # Best effort: the engine also frees the request when its stream is cancelled.
+        with contextlib.suppress(grpc.RpcError):
+            await inst.engine.Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=1.0)
+
+    def list_models(self) -> router_pb2.ListModelsResponse:
+        info = router_pb2.ModelInfo(id=self.model.name, max_context=self.model.max_context,
+                                    block_size=self.block_size)
+        return router_pb2.ListModelsResponse(models=[info])
+
+    def cluster_state(self) -> router_pb2.ClusterStateResponse:
+        out = router_pb2.ClusterStateResponse(
+            policy=self.policy.name, index_available=self.index.is_available,
+            num_requests=self.counters.num_requests,
+            num_prefix_hit_blocks=self.counters.num_prefix_hit_blocks,
+            num_prompt_blocks=self.counters.num_prompt_blocks)
+        for i in sorted(self.pool.instances.values(), key=lambda i: i.instance_id):
+            s = i.stats
+            out.instances.add(
+                instance_id=i.instance_id, role=i.role, address=i.address,
+                kvd_node=i.kvd_node_id, model=i.model, healthy=i.is_healthy,
+                queue_depth=s.queue_depth, num_running=s.num_running,
+                kv_blocks_free=s.kv_blocks_free, prefill_tokens_per_s=s.prefill_tokens_per_s,
+                decode_tokens_per_s=s.decode_tokens_per_s, num_routed=i.num_routed,
+                num_errors=i.num_errors)
+        return out

@@ -1,0 +1,234 @@
+"""The two engine phases of one request, with their retries (steps 5-7 of ``core``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
+
+from services.router import metrics
+from services.router.instances import Instance, InstancePool
+from services.router.policy import Choice, RouteQuery, RoutingPolicy
+from services.router.requests import Prepared, RouteError
+
+# Worth another instance: it was busy, down, or broke. Anything else (INVALID_ARGUMENT, ...)
+# would fail the same way elsewhere and goes back to the client as it is.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                       grpc.StatusCode.ABORTED})
+
+
+@dataclass
+class Flow:
+    """One request in flight: what was decided, and what is live where."""
+
+    prepared: Prepared
+    time_remaining: Callable[[], float | None]
+    metadata: tuple[tuple[str, str], ...]  # traceparent for every outbound call
+    arrived: float  # perf_counter at arrival
+    max_retries: int
+    query: RouteQuery | None = None
+    choice: Choice | None = None
+    prefill_response: engine_pb2.PrefillResponse | None = None
+    num_tokens_sent: int = 0
+    num_decode_chunks: int = 0  # chunks relayed from Decode streams (retry only before any)
+    touched: list[Instance] = field(default_factory=list)  # engines that may hold the request
+    is_finished: bool = False
+    is_latency_recorded: bool = False
+
+    def timeout(self) -> float | None:
+        """Seconds left for an outbound call: the client's deadline, never more."""
+        left = self.time_remaining()
+        if left is not None and left <= 0:
+            raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded in the router")
+        return left
+
+    def before_call(self) -> None:
+        if not self.is_latency_recorded:
+            self.is_latency_recorded = True
+            metrics.ADDED_LATENCY.observe(time.perf_counter() - self.arrived)
+
+    def usage(self, cached_tokens: int) -> common_pb2.Usage:
+        return common_pb2.Usage(prompt_tokens=len(self.prepared.prompt_ids),
+                                completion_tokens=self.num_tokens_sent,
+                                cached_tokens=cached_tokens)
+
+    def placement(self) -> router_pb2.Placement:
+        assert self.choice is not None
+        p = self.choice.prefill
+        return router_pb2.Placement(
+            prefill_instance=p.instance_id if p else "",
+            decode_instance=self.choice.decode.instance_id,
+            cached_blocks=self.choice.cached_blocks,
+            prompt_tokens=len(self.prepared.prompt_ids))
+
+
+def _rpc_error(exc: grpc.RpcError, where: str) -> RouteError:
+    code = exc.code()
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RouteError(code, f"deadline exceeded waiting for {where}")
+    return RouteError(code, f"{where}: {exc.details()}")
+
+
+async def run_prefill(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
+                      prefills: Sequence[Instance], decodes: Sequence[Instance],
+                      ) -> router_pb2.GenerateResponse:
+    """Place and prefill, moving to another prefill instance on a retryable failure."""
+    assert flow.query is not None
+    tried: list[str] = []
+    failures: list[str] = []
+    for _ in range(flow.max_retries + 1):
+        left = [p for p in prefills if p.address not in tried and p.is_healthy]
+        choice = policy.choose(flow.query, left, decodes) if left else None
+        if choice is None or choice.prefill is None:
+            break
+        p, d = choice.prefill, choice.decode
+        uncached = flow.query.num_prompt_tokens - choice.cached_blocks * flow.query.block_size
+        request = engine_pb2.PrefillRequest(
+            meta=flow.prepared.meta, prompt_token_ids=flow.prepared.prompt_ids,
+            sampling=flow.prepared.sampling)
+        if d.kvd_node_id:
+            request.destination.node_id, request.destination.address = d.kvd_node_id, d.kvd_address
+        p.num_routed += 1
+        p.num_inflight_prefills += 1
+        p.num_inflight_prefill_tokens += uncached
+        flow.touched.append(p)
+        try:
+            flow.before_call()
+            response = await p.prefill.Prefill(request, timeout=flow.timeout(),
+                                               metadata=flow.metadata)
+        except grpc.RpcError as exc:
+            pool.mark_failed(p, exc.code())
+            if exc.code() not in RETRYABLE:
+                raise _rpc_error(exc, f"prefill on {p.instance_id}") from exc
+            metrics.RETRIES.labels("prefill").inc()
+            tried.append(p.address)
+            failures.append(f"{p.instance_id}: {exc.code().name} {exc.details()}")
+            continue
+        finally:
+            p.num_inflight_prefills -= 1
+            p.num_inflight_prefill_tokens -= uncached
+        flow.touched.remove(p)  # done: the prefill engine holds nothing of the request now
+        flow.choice, flow.prefill_response = choice, response
+        return _first_message(flow, response)
+    why = "; ".join(failures) if failures else "no healthy prefill instance"
+    raise RouteError(grpc.StatusCode.UNAVAILABLE, f"no capacity: prefill failed ({why})")
+
+
+def _first_message(flow: Flow, response: engine_pb2.PrefillResponse,
+                   ) -> router_pb2.GenerateResponse:
+    flow.num_tokens_sent = 1
+    message = router_pb2.GenerateResponse(token_ids=[response.first_token_id],
+                                          text=response.text, placement=flow.placement())
+    if response.HasField("first_logprobs"):
+        message.logprobs.append(response.first_logprobs)
+    if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+        message.finish_reason = response.finish_reason
+        message.usage.CopyFrom(flow.usage(response.cached_tokens))
+    return message
+
+
+def _decode_request(flow: Flow, decode: Instance) -> engine_pb2.DecodeRequest:
+    request = engine_pb2.DecodeRequest(meta=flow.prepared.meta,
+                                       prompt_token_ids=flow.prepared.prompt_ids,
+                                       sampling=flow.prepared.sampling)
+    pre = flow.prefill_response
+    if pre is not None:
+        assert flow.choice is not None
+        request.first_token_id = pre.first_token_id
+        request.blocks.extend(pre.blocks)
+        # Blocks were pushed to the first choice's kvd; any other decode pulls from prefill's.
+        if decode.kvd_node_id != flow.choice.decode.kvd_node_id or not decode.kvd_node_id:
+            request.source.CopyFrom(pre.source)
+    return request
+
+
+async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
+                       decodes: Sequence[Instance]) -> AsyncIterator[router_pb2.GenerateResponse]:
+    """Stream Decode's chunks; a decode failing before its first chunk is replaced."""
+    assert flow.choice is not None and flow.query is not None
+    decode, tried = flow.choice.decode, []
+    for attempt in range(flow.max_retries + 1):
+        chunks_before = flow.num_decode_chunks
+        try:
+            async for message in _relay_one(flow, decode):
+                yield message
+            return
+        except grpc.RpcError as exc:
+            code, where = exc.code(), f"decode on {decode.instance_id}"
+            pool.mark_failed(decode, code)
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED or code not in RETRYABLE:
+                raise _rpc_error(exc, where) from exc
+            if flow.num_decode_chunks > chunks_before:  # the client has part of this answer
+                raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                                 f"{where} failed after {flow.num_tokens_sent} tokens were sent: "
+                                 f"{code.name} {exc.details()}") from exc
+            tried.append(decode.address)
+            replacement = _next_decode(flow, policy, decodes, tried)
+            if replacement is None or attempt == flow.max_retries:
+                raise RouteError(grpc.StatusCode.UNAVAILABLE,
+                                 f"no capacity: {where} failed ({code.name} {exc.details()}) "
+                                 f"and no other decode instance is left to try") from exc
+            metrics.RETRIES.labels("decode").inc()
+            decode = replacement
+
+
+def _next_decode(flow: Flow, policy: RoutingPolicy, decodes: Sequence[Instance],
+                 tried: list[str]) -> Instance | None:
+    assert flow.choice is not None and flow.query is not None
+    left = [d for d in decodes if d.address not in tried and d.is_healthy]
+    prefill = flow.choice.prefill
+    choice = policy.choose(flow.query, [prefill] if prefill else [], left) if left else None
+    if choice is None:
+        return None
+    if prefill is None:  # colocated: the new engine is the whole placement
+        flow.choice = choice
+    return choice.decode
+
+
+async def _relay_one(flow: Flow, decode: Instance) -> AsyncIterator[router_pb2.GenerateResponse]:
+    request, timeout = _decode_request(flow, decode), flow.timeout()
+    decode.num_routed += 1
+    decode.num_inflight_decodes += 1
+    flow.touched.append(decode)
+    flow.before_call()
+    call = decode.decode.Decode(request, timeout=timeout, metadata=flow.metadata)
+    is_first = flow.prefill_response is None
+    try:
+        async for chunk in call:
+            message = router_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text,
+                                                  logprobs=chunk.logprobs,
+                                                  finish_reason=chunk.finish_reason)
+            if is_first:  # colocated: placement rides on the first message
+                message.placement.CopyFrom(flow.placement())
+                is_first = False
+            flow.num_tokens_sent += len(chunk.token_ids)
+            flow.num_decode_chunks += 1
+            if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                pre = flow.prefill_response
+                cached = pre.cached_tokens if pre is not None else chunk.usage.cached_tokens
+                message.usage.CopyFrom(flow.usage(cached))
+                yield message
+                return
+            yield message
+        raise _StreamEnded(decode.instance_id)
+    finally:
+        call.cancel()  # no-op when finished; on client cancel or error, frees the engine's side
+        decode.num_inflight_decodes -= 1
+
+
+class _StreamEnded(grpc.RpcError):
+    """A Decode stream that closed without a finish_reason: a broken engine, retried."""
+
+    def __init__(self, instance_id: str) -> None:
+        super().__init__(f"{instance_id}: stream ended without finish_reason")
+        self._details = "stream ended without finish_reason"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNKNOWN
+
+    def details(self) -> str:
+        return self._details

@@ -1,0 +1,174 @@
+"""Engine instances as the router sees them: discovery, health, load, and cached stubs.
+
+Instances come from static flags (``--prefill``/``--decode``; role and kvd learned from
+``Engine.Stats``) and from the Redis registry (``pdserve.registry``), keyed by address so an
+engine listed both ways is one instance. ``poll_once`` refreshes the registry, then checks every
+instance's gRPC health and stats concurrently. An instance leaves the rotation when a check
+fails, it drains, it disappears from the registry, or a request sees it UNAVAILABLE; it returns
+at the first poll that finds it healthy. If Redis is down the last known instances are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from pdserve.registry import InstanceRecord, list_instances
+from pdserve.server import GRPC_OPTIONS
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+
+ROLE_BY_NAME = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE,
+                "colocated": common_pb2.ROLE_COLOCATED, "flex": common_pb2.ROLE_UNSPECIFIED}
+
+
+@dataclass
+class Instance:
+    """One engine: what it reported at the last poll, plus this router's own live counters."""
+
+    address: str
+    role: int  # common_pb2.Role; ROLE_UNSPECIFIED until known
+    instance_id: str = ""
+    kvd_node_id: str = ""
+    kvd_address: str = ""
+    model: str = ""
+    is_static: bool = False
+    is_healthy: bool = False
+    stats: engine_pb2.EngineStats = field(default_factory=engine_pb2.EngineStats)
+    # This router's view, fresher than the polled stats between polls.
+    num_inflight_prefills: int = 0
+    num_inflight_prefill_tokens: int = 0
+    num_inflight_decodes: int = 0
+    num_routed: int = 0
+    num_errors: int = 0
+    channel: grpc.aio.Channel | None = None
+    prefill: Any = None  # engine_pb2_grpc.PrefillStub
+    decode: Any = None  # engine_pb2_grpc.DecodeStub
+    engine: Any = None  # engine_pb2_grpc.EngineStub
+    health: Any = None  # health_pb2_grpc.HealthStub
+
+    def __post_init__(self) -> None:
+        if not self.instance_id:
+            self.instance_id = self.address
+        # One channel per instance for its whole life: no per-request connection setup.
+        self.channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
+        self.prefill = engine_pb2_grpc.PrefillStub(self.channel)
+        self.decode = engine_pb2_grpc.DecodeStub(self.channel)
+        self.engine = engine_pb2_grpc.EngineStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    @property
+    def prefill_load(self) -> int:
+        return max(self.stats.queue_depth, self.num_inflight_prefills)
+
+    @property
+    def decode_load(self) -> int:
+        return max(self.stats.num_running, self.num_inflight_decodes)
+
+    def update(self, record: InstanceRecord) -> None:
+        self.role = ROLE_BY_NAME[record.role] or self.role
+        self.instance_id = record.instance_id
+        self.kvd_node_id, self.kvd_address = record.kvd_node_id, record.kvd_address
+        self.model = record.model
+
+    def apply_stats(self, stats: engine_pb2.EngineStats) -> None:
+        self.stats = stats
+        self.role = stats.role or self.role  # a flex engine may have switched
+        self.instance_id = stats.instance_id or self.instance_id
+        self.model = stats.model or self.model
+        if stats.kvd.node_id:
+            self.kvd_node_id, self.kvd_address = stats.kvd.node_id, stats.kvd.address
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+
+class InstancePool:
+    """Every known instance, kept current by ``poll_once`` (run periodically by the router)."""
+
+    def __init__(self, static_prefill: Iterable[str], static_decode: Iterable[str],
+                 redis: Any = None, registry_prefix: str = "pdserve:",
+                 check_timeout: float = 1.0) -> None:
+        self.redis = redis
+        self.registry_prefix = registry_prefix
+        self.check_timeout = check_timeout
+        self.instances: dict[str, Instance] = {}
+        self.is_registry_available = redis is not None
+        for role, addresses in ((common_pb2.ROLE_PREFILL, static_prefill),
+                                (common_pb2.ROLE_DECODE, static_decode)):
+            for address in addresses:
+                self.instances[address] = Instance(address, role, is_static=True)
+
+    def healthy(self, role: int) -> list[Instance]:
+        return [i for i in self.instances.values() if i.is_healthy and i.role == role]
+
+    def mark_failed(self, instance: Instance, code: grpc.StatusCode | None) -> None:
+        """A request saw ``instance`` fail; UNAVAILABLE takes it out until a poll finds it up."""
+        instance.num_errors += 1
+        if code in (grpc.StatusCode.UNAVAILABLE, None):
+            if instance.is_healthy:
+                log.warning("instance left the rotation", extra={"fields": {
+                    "instance": instance.instance_id, "code": str(code)}})
+            instance.is_healthy = False
+
+    async def poll_once(self) -> None:
+        if self.redis is not None:
+            await self._refresh_registry()
+        await asyncio.gather(*(self._check(i) for i in list(self.instances.values())))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(i.close() for i in self.instances.values()))
+
+    async def _refresh_registry(self) -> None:
+        try:
+            records = await list_instances(self.redis, self.registry_prefix)
+        except (RedisError, OSError) as exc:
+            if self.is_registry_available:
+                log.warning("registry unreachable; keeping the last known instances",
+                            extra={"fields": {"error": str(exc)}})
+            self.is_registry_available = False
+            return
+        if not self.is_registry_available:
+            log.info("registry reachable again")
+        self.is_registry_available = True
+        live = {r.address: r for r in records}
+        for address, record in live.items():
+            if address not in self.instances:
+                log.info("instance registered", extra={"fields": {
+                    "instance": record.instance_id, "role": record.role, "address": address}})
+                self.instances[address] = Instance(address, ROLE_BY_NAME[record.role])
+            self.instances[address].update(record)
+        for address, inst in list(self.instances.items()):
+            if not inst.is_static and address not in live:
+                log.info("instance expired from the registry",
+                         extra={"fields": {"instance": inst.instance_id}})
+                del self.instances[address]
+                await inst.close()
+
+    async def _check(self, inst: Instance) -> None:
+        try:
+            health, stats = await asyncio.gather(
+                inst.health.Check(health_pb2.HealthCheckRequest(), timeout=self.check_timeout),
+                inst.engine.Stats(engine_pb2.EngineStatsRequest(), timeout=self.check_timeout))
+        except grpc.RpcError as exc:
+            self._set_health(inst, False, exc.code().name)
+            return
+        inst.apply_stats(stats)
+        serving = health.status == health_pb2.HealthCheckResponse.SERVING
+        ok = serving and not stats.draining and inst.role != common_pb2.ROLE_UNSPECIFIED
+        self._set_health(inst, ok, "" if ok else ("draining" if stats.draining else "not serving"))
+
+    @staticmethod
+    def _set_health(inst: Instance, ok: bool, why: str) -> None:
+        if ok != inst.is_healthy:
+            log.info("instance healthy" if ok else "instance unhealthy",
+                     extra={"fields": {"instance": inst.instance_id, "why": why}})
+        inst.is_healthy = ok
