@@ -144,7 +144,8 @@ class Engine:
                                f"held by {self._num_held()} prefill_only requests")
         results = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled else iter(())
         for req, num_new in zip(batch.reqs, batch.num_new_tokens, strict=True):
-            kind = "prefill" if req.num_tokens_to_compute > 1 else "decode"
+            is_prefill = num_new > 1 or req.num_computed_tokens < req.num_prompt_tokens
+            kind = "prefill" if is_prefill else "decode"
             self._counters[kind] += num_new
             req.num_computed_tokens += num_new
             out = RequestOutput(req.request_id, [], new_full_blocks=self.kv.commit(req),

@@ -10,7 +10,7 @@ Manager: a request owns the pages covering its computed tokens plus those schedu
 
     token_ids  |b0 full|b1 full|b2 full|b3 part.|
     blocks     [  p7   ,  p2   ,  p9   ,  p4    ]
-               \__ cached (hash registered) __/  ^ only full, computed blocks get a hash
+               |-- cached (hash registered) --|  ^ only full, computed blocks get a hash
 
 A prefix hit takes back cached pages by hash; it never covers the last prompt token, whose
 logits must be computed.
