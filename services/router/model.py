@@ -6,9 +6,10 @@ the model's fingerprint (the same one engines and kvd use, or no prefix would ev
 
 from __future__ import annotations
 
-import importlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 
@@ -38,28 +39,32 @@ class ModelSpec:
 
 
 def load_model_spec(name: str) -> ModelSpec:
-    """Tokenizer and config of ``name`` (a built-in name or a Hugging Face directory).
+    """Tokenizer, fingerprint and context of ``name`` (a built-in or a Hugging Face directory),
+    without loading weights. The fingerprint recipe is ``pdserve.models``' own: a router
+    hashing with another would never see a prefix hit."""
+    from pdserve.models import builtin, loader
+    from pdserve.tokenizer import Tokenizer
 
-    Uses ``pdserve.models``' config-and-tokenizer loader when it has one (no weights); else its
-    full ``load_model``. The fingerprint always comes from there, never recomputed here: a
-    router hashing with another recipe would never see a prefix hit.
-    """
+    parsed = builtin.parse_builtin(name)
+    if parsed is not None:
+        base, seed = parsed
+        cfg = builtin.hf_config(base)
+        # Mirrors pdserve.models.loader._load_builtin (which also builds the weights).
+        return ModelSpec(name=name, fingerprint=f"{base}@{seed}",
+                         max_context=int(cfg["max_position_embeddings"]),
+                         tokenizer=loader.builtin_tokenizer())
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model: {name!r} is neither a built-in "
+                         f"({', '.join(builtin.BUILTIN_MODELS)}) nor a directory with "
+                         f"config.json")
     try:
-        models = importlib.import_module("pdserve.models")
-    except ImportError as exc:
-        raise ValueError(f"--model: cannot load {name!r}: pdserve.models: {exc}") from exc
-    load_info = getattr(models, "load_model_info", None)
-    load_model = getattr(models, "load_model", None)
-    try:
-        if load_info is not None:
-            loaded = load_info(name)
-        elif load_model is not None:
-            loaded = load_model(name)
-        else:
-            raise ValueError("pdserve.models offers no load_model_info/load_model yet")
+        config_text = (path / "config.json").read_text(encoding="utf-8")
+        fingerprint = loader.fingerprint(config_text, loader.weight_files(path))
+        tokenizer = Tokenizer.from_dir(path)
     except (OSError, KeyError) as exc:
         raise ValueError(f"--model: cannot load {name!r}: {exc}") from exc
-    config = loaded.config
-    return ModelSpec(name=name, fingerprint=config.fingerprint,
-                     max_context=int(config.max_position_embeddings),
-                     tokenizer=loaded.tokenizer)
+    cfg = json.loads(config_text)
+    return ModelSpec(name=name, fingerprint=fingerprint,
+                     max_context=int(cfg.get("max_position_embeddings") or 2048),
+                     tokenizer=tokenizer)
