@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sys
 
-from pdserve.server import Service, make_server, run_main
+from pdserve.server import Service, run_main
+from pdserve.serving.service import create_engine_service
+
 from services.decode.config import DecodeConfig
 from services.decode.servicer import servicers
 
 
 async def create_server(config: DecodeConfig) -> Service:
-    return make_server(config.host, config.port, servicers())
+    svc, _ = await create_engine_service("decode", config, servicers)
+    return svc
 
 
 def main(argv: list[str] | None = None) -> int:

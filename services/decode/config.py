@@ -1,40 +1,25 @@
 """Configuration of the decode service: one frozen dataclass, validated on creation.
 
-Every field is a flag of ``python -m services.decode`` with a ``PDSERVE_*`` twin
-(listed in ``pdserve.env``).
+Every field is a flag of ``python -m services.decode`` with a ``PDSERVE_DECODE_*`` twin
+(listed in ``pdserve.env``); the fields are shared with the prefill service. Role
+``colocated`` makes this one engine do both phases (the baseline, no kvd needed).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pdserve.server import config_from_flags
+from pdserve.serving.config import EngineServiceConfig
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
-    host: str = '127.0.0.1'
+class DecodeConfig(EngineServiceConfig):
     port: int = 50071
-    metrics_port: int = -1
-    instance_id: str = ''
-    model: str = 'tiny'
-    dtype: str = 'auto'
-    role: str = 'decode'
-    kvd: str = ''
-    block_size: int = 16
-    num_blocks: int = 0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_queued: int = 256
-    max_prompt_tokens: int = 0
-    attention_backend: str = 'auto'
-    threads: int = 0
-    redis_url: str = ''
-    advertise: str = ''
+    role: str = "decode"
 
-    def __post_init__(self) -> None:
-        if not self.host:
-            raise ValueError("--host: must not be empty")
+    ROLES: ClassVar[tuple[str, ...]] = ("decode", "colocated", "flex")
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> DecodeConfig:

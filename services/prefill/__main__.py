@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import sys
 
-from pdserve.server import Service, make_server, run_main
+from pdserve.server import Service, run_main
+from pdserve.serving.service import create_engine_service
+
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import servicers
 
 
 async def create_server(config: PrefillConfig) -> Service:
-    return make_server(config.host, config.port, servicers())
+    svc, _ = await create_engine_service("prefill", config, servicers)
+    return svc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,285 @@
+"""One Engine, stepped by one dedicated thread, driven from asyncio.
+
+    asyncio loop (gRPC handlers)              engine thread (the only one touching Engine)
+    ---------------------------               -------------------------------------------
+    await call(fn) ── commands (SimpleQueue) ─►  run queued commands between steps
+    add_request() -> RequestStream               while work: step() -> outputs
+    async for out in stream  ◄── call_soon_threadsafe(deliver) ── per-request asyncio.Queue
+
+The Engine is not thread-safe, so every access (add, abort, release, export/import of blocks,
+stats) is a command the thread runs between two steps. Steps never block the event loop, and
+a handler awaiting its queue costs nothing while the batch runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.request import RequestOutput
+from pdserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineFailed(RuntimeError):
+    """The engine raised inside a step; every live request of that step is failed with it."""
+
+
+@dataclass
+class StepTimes:
+    """When a request was first scheduled and how long the steps that advanced it took."""
+
+    added: float = 0.0
+    first_scheduled: float | None = None
+    compute_s: float = 0.0
+    num_steps: int = 0
+
+    @property
+    def queue_s(self) -> float:
+        return 0.0 if self.first_scheduled is None else self.first_scheduled - self.added
+
+
+@dataclass
+class RequestStream:
+    """Outputs of one request, in step order; iteration ends after the finished output."""
+
+    request_id: str
+    times: StepTimes
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+
+class ThroughputWindow:
+    """Recent prefill/decode tokens per second from cumulative counters sampled each step."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._samples: collections.deque[tuple[float, int, int]] = collections.deque()
+
+    def add(self, now: float, num_prefill: int, num_decode: int) -> None:
+        self._samples.append((now, num_prefill, num_decode))
+        while len(self._samples) > 2 and now - self._samples[1][0] > self.window_s:
+            self._samples.popleft()
+
+    def rates(self, now: float) -> tuple[float, float]:
+        samples = list(self._samples)  # a snapshot: the engine thread appends concurrently
+        if len(samples) < 2:
+            return 0.0, 0.0
+        t0, p0, d0 = samples[0]
+        _, p1, d1 = samples[-1]
+        span = max(now - t0, 1e-3)
+        return (p1 - p0) / span, (d1 - d0) / span
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, stats_window: float = 10.0) -> None:
+        self.engine = engine
+        self.window = ThroughputWindow(stats_window)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, RequestStream] = {}
+        self._progress: dict[str, int] = {}  # engine-thread only: computed tokens per request
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- life cycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        stats = self.engine.stats()  # the window's origin, so the first step has a rate
+        self.window.add(time.monotonic(), stats.num_prefill_tokens, stats.num_decode_tokens)
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    @property
+    def num_streams(self) -> int:
+        """Requests added through this wrapper that have not finished yet."""
+        return len(self._streams)
+
+    # -- calls from asyncio ---------------------------------------------------------------
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps; return its result."""
+        assert self._loop is not None, "AsyncEngine.start() was not called"
+        loop, fut = self._loop, self._loop.create_future()
+
+        def command() -> None:
+            try:
+                result: Any = fn(self.engine)
+            except BaseException as exc:  # handed to the caller, who decides  # noqa: BLE001
+                loop.call_soon_threadsafe(_settle, fut, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, fut, result, None)
+
+        self._commands.put(command)
+        self._wake.set()
+        return await fut
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int],
+                          params: SamplingParams, priority: int = 0, cache_salt: str = "",
+                          prefill_only: bool = False) -> RequestStream:
+        """Queue a request; raises the engine's ValueError (naming the field) if it is bad."""
+        stream = RequestStream(request_id, StepTimes(added=time.monotonic()))
+        self._streams[request_id] = stream  # before the add: its first output may come at once
+
+        def add(engine: Engine) -> None:
+            engine.add_request(request_id, prompt_token_ids, params, priority, cache_salt,
+                               prefill_only)
+            self._progress[request_id] = 0
+
+        try:
+            await self.call(add)
+        except asyncio.CancelledError:
+            # The add may still run on the engine thread: undo it there, after it.
+            self._streams.pop(request_id, None)
+            self._commands.put(lambda: self._abort_quietly(request_id))
+            self._wake.set()
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a queued, running or held request and free its pages."""
+        found = await self.call(lambda e: e.abort(request_id))
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            stream.queue.put_nowait(RequestOutput(request_id, [], finished=True,
+                                                  finish_reason="abort"))
+        return found
+
+    async def release(self, request_id: str) -> None:
+        """Free the pages a finished prefill_only request still holds."""
+        await self.call(lambda e: e.release(request_id))
+
+    def forget(self, request_id: str) -> None:
+        """Stop delivering to a stream whose caller has gone (after abort/release)."""
+        self._streams.pop(request_id, None)
+
+    # -- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            self._run_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait()
+                continue
+            self._step()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _step(self) -> None:
+        start = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        except RuntimeError as exc:
+            if "held by" in str(exc):
+                # Every page is held by finished prefills whose blocks are being copied to
+                # kvd: their release is a command, so wait for one instead of spinning.
+                self._wake.wait(0.05)
+                return
+            log.exception("engine step failed")
+            for rid in list(self.engine.requests):  # fail them all, so later steps can run
+                self._abort_quietly(rid)
+            self._post(self._fail_all, EngineFailed(f"engine step failed: {exc}"))
+            return
+        end = time.monotonic()
+        stats = self.engine.stats()
+        self.window.add(end, stats.num_prefill_tokens, stats.num_decode_tokens)
+        advanced = self._advanced()
+        if outputs or advanced:
+            self._post(self._deliver, (outputs, advanced, start, end))
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self.engine.abort(request_id)
+        except (RuntimeError, ValueError):
+            log.exception("abort failed", extra={"fields": {"request_id": request_id}})
+
+    def _advanced(self) -> list[str]:
+        """Requests this step computed tokens for (for queue/compute timings)."""
+        out = []
+        for rid, before in list(self._progress.items()):
+            req = self.engine.requests.get(rid)
+            if req is None:
+                del self._progress[rid]
+                out.append(rid)  # finished in this step
+                continue
+            if req.num_computed_tokens != before:
+                self._progress[rid] = req.num_computed_tokens
+                out.append(rid)
+        return out
+
+    def _post(self, fn: Callable[[Any], None], arg: Any) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, arg)
+
+    # -- back on the event loop -----------------------------------------------------------
+
+    def _deliver(self, item: tuple[list[RequestOutput], list[str], float, float]) -> None:
+        outputs, advanced, start, end = item
+        for rid in advanced:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                if stream.times.first_scheduled is None:
+                    stream.times.first_scheduled = start
+                stream.times.compute_s += end - start
+                stream.times.num_steps += 1
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.queue.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.queue.put_nowait(exc)
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if fut.done():  # the caller was cancelled meanwhile
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

@@ -1,0 +1,128 @@
+"""Moving KV blocks between the engine's pages and the node kvd's shared-memory slots.
+
+    engine pages ──export_blocks──► kvd slots (allocate → write → commit [+ push to dest])
+    engine pages ◄─import_blocks─── kvd slots (lookup / await → pins → read → release)
+
+Both copies run on the engine thread (``AsyncEngine.call``), between steps, straight into or out
+of the zero-copy slot views, so the bytes are copied once per direction. Slots are pinned
+only for the copy: a commit releases the writer's pins, an import releases the reader's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.engine.engine import Engine
+from pdserve.hashing import block_checksum
+from pdserve.proto.v1 import common_pb2, kvd_pb2
+from pdserve.serving.async_engine import AsyncEngine
+from pdserve.serving.convert import BlockRefIn, Exported
+
+if TYPE_CHECKING:
+    from pdserve.kvd.client import KvdClient
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def slot_checksum(view: torch.Tensor) -> int:
+    return block_checksum(memoryview(view.contiguous().view(torch.uint8).numpy()).cast("B"))
+
+
+class KvBridge:
+    def __init__(self, aengine: AsyncEngine, client: KvdClient, address: str) -> None:
+        self.aengine = aengine
+        self.client = client
+        self.address = address
+        self.node_id = ""
+
+    async def register(self) -> None:
+        cfg = self.aengine.engine.config
+        layout = kvd_pb2.BlockLayout(
+            num_layers=cfg.num_layers, block_size=self.aengine.engine.kv.block_size,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            dtype=DTYPE_NAMES[cfg.dtype], model_fingerprint=cfg.fingerprint)
+        reply = await self.client.register(layout)
+        self.node_id = reply.node_id
+
+    @property
+    def endpoint(self) -> common_pb2.KvdEndpoint:
+        return common_pb2.KvdEndpoint(node_id=self.node_id, address=self.address)
+
+    # -- prefill side ---------------------------------------------------------------------
+
+    async def export(self, blocks: Sequence[tuple[bytes, int]],
+                     destination: common_pb2.KvdEndpoint | None) -> list[Exported]:
+        """Copy engine pages (hash, page id) into fresh kvd slots and commit them, pushing
+        them to ``destination`` at once when given."""
+        if not blocks:
+            return []
+        pins = await self.client.allocate(len(blocks))
+        try:
+            views = [self.client.slot_view(p.slot) for p in pins]
+
+            def copy_out(engine: Engine) -> None:
+                for (_, page), view in zip(blocks, views, strict=True):
+                    engine.export_blocks([page], view.unsqueeze(0))
+
+            await self.aengine.call(copy_out)
+            sums = [slot_checksum(v) for v in views]
+            entries = [kvd_pb2.CommitEntry(slot=p.slot, hash=h, checksum=c, pin_id=p.pin_id)
+                       for p, (h, _), c in zip(pins, blocks, sums, strict=True)]
+            await self.client.commit(entries, destination, release=True)
+        except BaseException:
+            await self._release_quietly([p.pin_id for p in pins])
+            raise
+        return [Exported(h, c) for (h, _), c in zip(blocks, sums, strict=True)]
+
+    async def load_prefix(self, hashes: Sequence[bytes], timeout: float) -> list[Exported]:
+        """Import the leading run of ``hashes`` the local kvd holds; returns those blocks
+        with the checksums of their bytes."""
+        if not hashes:
+            return []
+        num_present = await self.client.lookup(list(hashes))
+        if num_present == 0:
+            return []
+        loaded = list(hashes[:num_present])
+        refs = [common_pb2.BlockRef(hash=h) for h in loaded]
+        pins = await self.client.await_blocks(refs, None, timeout)
+        sums = await self._import(loaded, pins, with_checksums=True)
+        return [Exported(h, c) for h, c in zip(loaded, sums, strict=True)]
+
+    # -- decode side ----------------------------------------------------------------------
+
+    async def receive(self, refs: Sequence[BlockRefIn], source: common_pb2.KvdEndpoint | None,
+                      timeout: float) -> int:
+        """Wait for ``refs`` on the local kvd (pulled from ``source`` if not pushed), import
+        them into the engine; returns how many pages were newly filled."""
+        if not refs:
+            return 0
+        protos = [common_pb2.BlockRef(hash=r.hash, checksum=r.checksum, node_id=r.node_id)
+                  for r in refs]
+        pins = await self.client.await_blocks(protos, source, timeout)
+        await self._import([r.hash for r in refs], pins)
+        return len(pins)
+
+    async def _import(self, hashes: list[bytes], pins: Sequence[kvd_pb2.Pin],
+                      with_checksums: bool = False) -> list[int]:
+        """Copy pinned slots into the engine; returns their checksums when asked."""
+        try:
+            views = [self.client.slot_view(p.slot) for p in pins]
+            data = torch.stack(views)
+            sums = [slot_checksum(v) for v in data] if with_checksums else []
+            await self.aengine.call(lambda e: e.import_blocks(hashes, data))
+            return sums
+        finally:
+            await self._release_quietly([p.pin_id for p in pins])
+
+    async def _release_quietly(self, pin_ids: list[int]) -> None:
+        try:
+            await self.client.release(pin_ids)
+        except Exception as exc:  # noqa: BLE001 - the lease frees them anyway; log and go on
+            log.warning("kvd release failed; pins expire with their lease",
+                        extra={"fields": {"error": str(exc), "num_pins": len(pin_ids)}})

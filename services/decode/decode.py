@@ -1,0 +1,122 @@
+"""Decode: take a prefilled request's KV blocks and stream the rest of its answer.
+
+A request's life on a decode instance:
+
+    1. check the block refs against the prompt (hash chain, model, salt)
+    2. wait on the local kvd for the blocks (pushed by the prefill node's kvd, or pulled from
+       ``source``), bounded by the rpc deadline; copy them into free engine pages registered
+       in the prefix cache, then drop the kvd pins
+    3. add prompt + [first token] with max_tokens - 1: the engine's prefix cache hits every
+       imported block, so only the trailing partial block and the first token are computed
+    4. join the running batch; stream every token (text delta, logprobs) until a stop
+       condition; the last chunk carries finish_reason and usage
+    On cancellation, deadline or Abort the engine request is aborted and its pages freed.
+    Role colocated: no first token given -> the engine prefills the prompt itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+from pdserve.engine.request import Logprob
+from pdserve.proto.v1 import common_pb2
+from pdserve.sampling_params import SamplingParams
+from pdserve.serving import metrics
+from pdserve.serving.async_engine import RequestStream
+from pdserve.serving.convert import BadRequest, BlockRefIn
+from pdserve.serving.instance import Instance, Rejected
+from pdserve.serving.text import TextStream
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    first_token_id: int | None = None
+    blocks: list[BlockRefIn] = field(default_factory=list)
+    source: common_pb2.KvdEndpoint | None = None
+    priority: int = 0
+    cache_salt: str = ""
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int]
+    logprobs: list[tuple[int, Logprob]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    # Usage, on the last chunk only.
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+async def run_decode(inst: Instance, job: DecodeJob, timeout: float) -> AsyncIterator[Chunk]:
+    if job.first_token_id is None:
+        if inst.role != "colocated":
+            raise BadRequest(f"first_token_id is required on a {inst.role} instance; only a "
+                             "colocated engine prefills prompts itself")
+        prompt, params = job.prompt, job.params
+    else:
+        await _receive_blocks(inst, job, timeout)
+        if job.params.max_tokens == 1:  # the first token was the whole answer
+            yield Chunk([], finish_reason="length", completion_tokens=1)
+            return
+        prompt = [*job.prompt, job.first_token_id]
+        params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - 1)
+    stream = await inst.aengine.add_request(job.request_id, prompt, params, job.priority,
+                                            job.cache_salt)
+    try:
+        async for chunk in _follow(inst, job, stream, prompt, params):
+            yield chunk
+    finally:
+        if not stream.finished:  # cancelled, deadline, or the client went away
+            await asyncio.shield(inst.aengine.abort(job.request_id))
+
+
+async def _receive_blocks(inst: Instance, job: DecodeJob, timeout: float) -> None:
+    if not job.blocks:
+        return
+    if inst.bridge is None:
+        raise BadRequest("blocks: this instance has no kvd (--kvd) to receive them from")
+    stats = await inst.aengine.call(lambda e: e.stats())
+    need = len(job.blocks) + 1
+    if stats.num_blocks_free < need:
+        raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"KV cache: {stats.num_blocks_free} free blocks, this request needs "
+                       f"{need} to start: try another instance")
+    start = time.monotonic()
+    await inst.bridge.receive(job.blocks, job.source, timeout)
+    metrics.KV_WAIT_SECONDS.observe(time.monotonic() - start)
+    metrics.BLOCKS.labels("imported").inc(len(job.blocks))
+
+
+async def _follow(inst: Instance, job: DecodeJob, stream: RequestStream, prompt: list[int],
+                  params: SamplingParams) -> AsyncIterator[Chunk]:
+    text = TextStream(inst.engine.tokenizer, prompt, params.stop)
+    num_done = 0 if job.first_token_id is None else 1
+    last = time.monotonic()
+    async for out in stream:
+        chunk = Chunk(list(out.new_token_ids), text=text.add(out.new_token_ids))
+        if params.logprobs is not None and out.logprobs:
+            chunk.logprobs = list(zip(out.new_token_ids, out.logprobs, strict=True))
+        num_done += len(out.new_token_ids)
+        now = time.monotonic()
+        metrics.TOKEN_GAP_SECONDS.observe(now - last)
+        last = now
+        if out.finished:
+            chunk.text += text.finish(out.stop_text)
+            chunk.finish_reason = out.finish_reason
+            chunk.completion_tokens = num_done
+            # Disaggregated: imported blocks are not this request's cache hits; the router
+            # reports the prefill's cached_tokens.
+            if job.first_token_id is None:
+                chunk.cached_tokens = out.num_prefix_hit_tokens
+            metrics.TOKENS.labels("generated").inc(num_done)
+        if chunk.token_ids or chunk.finish_reason:
+            yield chunk
