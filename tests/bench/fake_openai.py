@@ -24,6 +24,7 @@ class FakeServer:
     ttft_s: float = 0.02
     itl_s: float = 0.002
     tokens_per_chunk: int = 1
+    send_token_ids: bool = False  # the vLLM/pdserve per-choice token_ids extension
     num_requests: int = 0
     bodies: list[dict] = field(default_factory=list)
 
@@ -59,6 +60,8 @@ class FakeServer:
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0,
                                                                              "text": text}
             choice["finish_reason"] = "length" if sent + n == max_tokens else None
+            if self.send_token_ids:
+                choice["token_ids"] = list(range(sent, sent + n))
             await _send(resp, {"object": "chunk", "choices": [choice]})
             sent += n
             if behaviour == "broken" and sent >= 2:
@@ -81,7 +84,9 @@ async def _send(resp: web.StreamResponse, chunk: dict) -> None:
 async def start(server: FakeServer, host: str = "127.0.0.1", port: int = 0
                 ) -> tuple[web.AppRunner, str]:
     """Serve on a free port; returns (runner to clean up, base URL ending in /v1)."""
-    runner = web.AppRunner(server.app())
+    # handler_cancellation: a client that gives up (timeout) ends its handler, e.g. a hang
+    runner = web.AppRunner(server.app(), handler_cancellation=True,
+                           shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

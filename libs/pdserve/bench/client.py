@@ -116,7 +116,8 @@ class HttpClient(Client):
             resp.raise_for_status()
             self.model = str(resp.json()["data"][0]["id"])
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-            raise RuntimeError(f"could not list models at {self.http.base_url}/models ({e!r}); "
+            url = f"{str(self.http.base_url).rstrip('/')}/models"
+            raise RuntimeError(f"could not list models at {url} ({e!r}); "
                                "pass --model") from e
         return self.model
 

@@ -9,8 +9,8 @@ multiturn the conversation rate is ``rate / mean turns``, so the offered request
 
 Prompt text is drawn from a fixed word list with ``random.Random(seed)``: no dataset, same seed
 -> same plan. Token counts are approximate (``tokens_per_word``) unless a tokenizer is given,
-in which case each prompt is grown/trimmed a word at a time to the target (exact when
-the last word fits, else a token or two short).
+in which case each prompt is grown/trimmed a word at a time to the target (exact unless
+no word fills the last gap).
 """
 
 from __future__ import annotations
@@ -170,6 +170,11 @@ class PromptMaker:
             words.append(rng.choice(WORDS))
         while len(words) > 1 and count(" ".join(words)) > num_tokens:
             words.pop()
+        if count(" ".join(words)) < num_tokens:  # close the gap with a word of the right size
+            for word in rng.sample(WORDS, 32):
+                if count(" ".join([*words, word])) == num_tokens:
+                    words.append(word)
+                    break
         return " ".join(words)
 
 
