@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from pdserve.models import CausalLM, save_builtin
 
 from .dense_backend import DenseCausalBackend
@@ -36,7 +37,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
 
 
-def save_reference(model: torch.nn.Module, directory: Path, tokenizer_dir: Path,
+def save_reference(model: transformers.PreTrainedModel, directory: Path, tokenizer_dir: Path,
                    **save_kwargs: object) -> Path:
     model.save_pretrained(directory, **save_kwargs)
     for name in TOKENIZER_FILES:
