@@ -25,6 +25,10 @@ from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 
+# An engine that restarts must be back in the rotation within about a poll: gRPC's default
+# reconnect backoff grows to two minutes.
+CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
+                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 ROLE_BY_NAME = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE,
                 "colocated": common_pb2.ROLE_COLOCATED, "flex": common_pb2.ROLE_UNSPECIFIED}
 
@@ -58,7 +62,7 @@ class Instance:
         if not self.instance_id:
             self.instance_id = self.address
         # One channel per instance for its whole life: no per-request connection setup.
-        self.channel = grpc.aio.insecure_channel(self.address, options=GRPC_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.prefill = engine_pb2_grpc.PrefillStub(self.channel)
         self.decode = engine_pb2_grpc.DecodeStub(self.channel)
         self.engine = engine_pb2_grpc.EngineStub(self.channel)
@@ -155,9 +159,12 @@ class InstancePool:
 
     async def _check(self, inst: Instance) -> None:
         try:
+            # wait_for_ready: a poll waits out a reconnect instead of failing during backoff.
             health, stats = await asyncio.gather(
-                inst.health.Check(health_pb2.HealthCheckRequest(), timeout=self.check_timeout),
-                inst.engine.Stats(engine_pb2.EngineStatsRequest(), timeout=self.check_timeout))
+                inst.health.Check(health_pb2.HealthCheckRequest(), timeout=self.check_timeout,
+                                  wait_for_ready=True),
+                inst.engine.Stats(engine_pb2.EngineStatsRequest(), timeout=self.check_timeout,
+                                  wait_for_ready=True))
         except grpc.RpcError as exc:
             self._set_health(inst, False, exc.code().name)
             return

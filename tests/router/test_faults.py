@@ -1,0 +1,222 @@
+"""Retries, deadlines, cancellation, quotas, unhealthy instances and Redis outages."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdserve import telemetry
+from pdserve.hashing import hash_blocks
+from pdserve.proto.v1 import common_pb2
+from services.router import metrics
+from tests.conftest import RedisServer, free_port
+from tests.router.conftest import Cluster, request
+from tests.router.fakes import RedisSetIndex
+
+PROMPT = list(range(10, 10 + 16 * 3))
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  grpc.StatusCode.UNAVAILABLE])
+async def test_prefill_failure_moves_to_another_instance(cluster: Cluster, code) -> None:
+    a, b = await cluster.engine("A", "prefill"), await cluster.engine("B", "prefill")
+    d = await cluster.engine("D", "decode")
+    a.prefill_errors = [code]
+    router, client = await cluster.router([a, b], [d], policy="round_robin")
+    msgs = await client.generate(ids=PROMPT)
+    assert msgs[0].placement.prefill_instance == "B"
+    assert len(a.seen.prefills) == 1 and len(b.seen.prefills) == 1
+    by_id = {i.instance_id: i for i in router.pool.instances.values()}
+    assert by_id["A"].num_errors == 1
+    # Busy is not down; UNAVAILABLE takes A out of the rotation until the next poll.
+    assert by_id["A"].is_healthy == (code == grpc.StatusCode.RESOURCE_EXHAUSTED)
+    await router.poll()
+    assert by_id["A"].is_healthy
+
+
+async def test_prefill_retries_are_bounded(cluster: Cluster) -> None:
+    engines = [await cluster.engine(n, "prefill") for n in "ABC"]
+    d = await cluster.engine("D", "decode")
+    for e in engines:
+        e.prefill_errors = [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    _, client = await cluster.router(engines, [d], max_retries=1)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.generate(ids=PROMPT)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "RESOURCE_EXHAUSTED" in err.value.details()
+    assert sum(len(e.seen.prefills) for e in engines) == 2  # one try + one retry
+
+
+async def test_engine_invalid_argument_is_not_retried(cluster: Cluster) -> None:
+    a, b = await cluster.engine("A", "prefill"), await cluster.engine("B", "prefill")
+    d = await cluster.engine("D", "decode")
+    a.prefill_errors = b.prefill_errors = [grpc.StatusCode.INVALID_ARGUMENT]
+    _, client = await cluster.router([a, b], [d])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.generate(ids=PROMPT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(a.seen.prefills) + len(b.seen.prefills) == 1
+
+
+async def test_decode_failing_before_its_first_token_is_retried(cluster: Cluster) -> None:
+    p = await cluster.engine("P", "prefill")
+    d1, d2 = await cluster.engine("D1", "decode"), await cluster.engine("D2", "decode")
+    d1.decode_errors = [grpc.StatusCode.UNAVAILABLE]
+    _, client = await cluster.router([p], [d1, d2], policy="round_robin")
+    msgs = await client.generate(ids=PROMPT)
+    assert [list(m.token_ids) for m in msgs] == [[7], [100], [101], [102]]
+    assert msgs[0].placement.decode_instance == "D1"  # where prefill pushed
+    retry = d2.seen.decodes[0]
+    assert retry.first_token_id == 7 and len(retry.blocks) == 12
+    assert retry.source.node_id == "node-P"  # the new decode pulls from prefill's kvd
+
+
+async def test_decode_failing_after_tokens_gives_them_and_a_clear_error(cluster: Cluster) -> None:
+    p = await cluster.engine("P", "prefill")
+    d1, d2 = await cluster.engine("D1", "decode"), await cluster.engine("D2", "decode")
+    d1.decode_fail_after = 1
+    _, client = await cluster.router([p], [d1, d2], policy="round_robin")
+    call = client.stub.Generate(request(ids=PROMPT), timeout=10)
+    got = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for m in call:
+            got.append(list(m.token_ids))
+    assert got == [[7], [100]]
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "decode on D1 failed after 2 tokens" in err.value.details()
+    assert d2.seen.decodes == []  # not retried: the client already has part of the answer
+
+
+async def test_deadline_reaches_every_engine_call(cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    _, client = await cluster.router([p], [d])
+    await client.generate(ids=PROMPT, timeout=4.0)
+    for remaining in (p.seen.time_remaining[0], d.seen.time_remaining[0]):
+        # gRPC sends timeouts rounded up to its wire units: a few ms over is the same deadline.
+        assert remaining is not None and 2.0 < remaining <= 4.05
+    p.prefill_hang = True
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.generate(ids=PROMPT, timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await _eventually(lambda: len(p.seen.cancelled) == 1)
+
+
+async def test_client_cancel_reaches_the_engine(cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    d.decode_hang = True
+    _, client = await cluster.router([p], [d])
+    call = client.stub.Generate(request(ids=PROMPT, request_id="gone"), timeout=10)
+    it = call.__aiter__()
+    assert list((await it.__anext__()).token_ids) == [7]
+    assert list((await it.__anext__()).token_ids) == [100]
+    call.cancel()
+    await _eventually(lambda: d.seen.cancelled == ["gone"] and d.seen.aborts == ["gone"])
+    assert p.seen.aborts == []  # prefill was done: nothing of the request left there
+
+
+async def test_tenant_quotas_answer_resource_exhausted_with_retry_after(
+        cluster: Cluster, tmp_path: Path) -> None:
+    quotas = tmp_path / "quotas.json"
+    quotas.write_text(json.dumps({"tenants": {"small": {"tokens_per_minute": 60 * 20,
+                                                        "burst_tokens": 100}}}))
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    _, client = await cluster.router([p], [d], quotas_file=str(quotas))
+    await client.generate(ids=[1] * 50, max_tokens=40, tenant="small")  # charged 90, refunded 36
+    call = client.stub.Generate(request(ids=[1] * 50, max_tokens=40, tenant="small"), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        _ = [m async for m in call]
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "small" in err.value.details()
+    trailers = dict(err.value.trailing_metadata() or ())
+    assert 1 <= int(trailers["retry-after"]) <= 3
+    await client.generate(ids=[1] * 50, max_tokens=40, tenant="other")  # not limited
+    assert len(p.seen.prefills) == 2
+
+
+async def test_unhealthy_instance_leaves_and_returns(cluster: Cluster) -> None:
+    a, b = await cluster.engine("A", "prefill"), await cluster.engine("B", "prefill")
+    d = await cluster.engine("D", "decode")
+    router, client = await cluster.router([a, b], [d], policy="round_robin")
+    port = b.port
+    await b.stop()
+    await router.poll()
+    assert {(i.instance_id, i.healthy) for i in router.cluster_state().instances} == {
+        ("A", True), ("B", False), ("D", True)}
+    for _ in range(3):
+        assert (await client.generate(ids=PROMPT))[0].placement.prefill_instance == "A"
+    await b.start(port)
+    await router.poll()
+    placements = {(await client.generate(ids=PROMPT))[0].placement.prefill_instance
+                  for _ in range(2)}
+    assert placements == {"A", "B"}
+
+
+async def test_draining_instance_leaves_the_rotation(cluster: Cluster) -> None:
+    a, b = await cluster.engine("A", "prefill"), await cluster.engine("B", "prefill")
+    d = await cluster.engine("D", "decode")
+    b.stats.draining = True
+    _, client = await cluster.router([a, b], [d], policy="round_robin")
+    for _ in range(2):
+        assert (await client.generate(ids=PROMPT))[0].placement.prefill_instance == "A"
+
+
+async def test_redis_down_routes_by_load_and_recovers(cluster: Cluster) -> None:
+    redis = RedisServer(free_port())
+    redis.start()
+    try:
+        a, b = await cluster.engine("A", "prefill"), await cluster.engine("B", "prefill")
+        d = await cluster.engine("D", "decode")
+        index = RedisSetIndex(redis.url)
+        await index.add("node-B", hash_blocks(PROMPT, 16, cluster.spec.fingerprint))
+        router, client = await cluster.router([a, b], [d], index=index, redis_url=redis.url)
+        assert (await client.generate(ids=PROMPT))[0].placement.prefill_instance == "B"
+        redis.stop()
+        got = [(await client.generate(ids=PROMPT))[0].placement for _ in range(4)]
+        assert {pl.prefill_instance for pl in got} == {"A", "B"}  # load only: spread
+        assert all(pl.cached_blocks == 0 for pl in got)
+        assert not router.cluster_state().index_available
+        assert metrics.INDEX_AVAILABLE._value.get() == 0
+        await router.poll()  # registry and index unreachable: the instances stay
+        assert len(router.pool.healthy(common_pb2.ROLE_PREFILL)) == 2
+        redis.start()
+        await index.add("node-B", hash_blocks(PROMPT, 16, cluster.spec.fingerprint))
+        await router.poll()
+        assert router.cluster_state().index_available
+        assert (await client.generate(ids=PROMPT))[0].placement.prefill_instance == "B"
+    finally:
+        redis.stop()
+
+
+async def test_traceparent_reaches_the_engines(cluster: Cluster) -> None:
+    telemetry.init_tracing("router-test")
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    _, client = await cluster.router([p], [d])
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    await client.generate(ids=PROMPT, metadata=(("traceparent", parent),))
+    for md in (p.seen.metadata[0], d.seen.metadata[0]):
+        version, trace_id, span_id, _ = md["traceparent"].split("-")
+        assert trace_id == "0af7651916cd43dd8448eb211c80319c"  # same trace, the router's span
+        assert span_id != "b7ad6b7169203331"
+
+
+async def test_request_metrics_count_codes(cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    _, client = await cluster.router([p], [d])
+    ok, bad = metrics.REQUESTS.labels("OK"), metrics.REQUESTS.labels("INVALID_ARGUMENT")
+    ok0, bad0 = ok._value.get(), bad._value.get()
+    await client.generate(ids=PROMPT)
+    with pytest.raises(grpc.aio.AioRpcError):
+        await client.generate(ids=PROMPT, max_tokens=10**6)
+    assert (ok._value.get() - ok0, bad._value.get() - bad0) == (1, 1)
+
+
+async def _eventually(predicate, timeout: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
