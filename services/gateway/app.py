@@ -65,29 +65,31 @@ class Gateway:
     async def handle(self, request: Request, endpoint: str, model_cls: type[Api]) -> Response:
         start = time.perf_counter()
         self.metrics.in_flight.inc()
-        status, streaming = 500, False
+        try:
+            response = await self._respond(request, model_cls)
+        except ClientGone:
+            self.metrics.disconnects.inc()
+            response = Response(status_code=_STATUS_499)
+        except BaseException:
+            self._record(endpoint, 500, start)
+            raise
+        if not isinstance(response, _SSEResponse):  # a stream records itself when it ends
+            self._record(endpoint, response.status_code, start)
+        return response
+
+    async def _respond(self, request: Request, model_cls: type[Api]) -> Response:
         try:
             tenant = self.keys.tenant(request.headers.get("authorization"))
             req = model_cls.model_validate_json(await self._body(request))
-            response = await self._generate(request, req, tenant)
-            status, streaming = 200, isinstance(response, _SSEResponse)
-            return response
+            return await self._generate(request, req, tenant)
         except ValidationError as exc:
             err = from_validation(exc)
         except ApiError as exc:
             err = exc
         except grpc.aio.AioRpcError as exc:
             err = self._rpc_error(exc)
-        except ClientGone:
-            status = _STATUS_499
-            self.metrics.disconnects.inc()
-            return Response(status_code=_STATUS_499)
-        finally:
-            if not streaming:  # a stream records itself when it ends
-                self._record(endpoint, status, start)
-        status = err.status
-        if status >= 500:
-            log.warning("request failed", extra=fields(status=status, error=err.message))
+        if err.status >= 500:
+            log.warning("request failed", extra=fields(status=err.status, error=err.message))
         return _error_response(err)
 
     async def _generate(self, request: Request, req: Api, tenant: str) -> Response:

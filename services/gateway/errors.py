@@ -102,7 +102,7 @@ def from_validation(exc: ValidationError) -> ApiError:
     if not loc:
         return bad_request(f"request body: {err['msg']}")
     param = format_loc(loc)
-    message = str(err["msg"]).removeprefix("Value error, ")
+    message = _describe(err)
     if len(loc) < len(raw_loc) and err["type"] != "value_error":
         # A union type whose every branch failed: say what is accepted instead.
         field_loc = loc[: next(i for i, p in enumerate(raw_loc) if p not in loc)]
@@ -110,6 +110,25 @@ def from_validation(exc: ValidationError) -> ApiError:
         last = next((p for p in reversed(field_loc) if isinstance(p, str)), "")
         message = f"must be {_UNION_HINTS.get(last, 'of an accepted type')}"
     return bad_request(f"{param}: {message}", param)
+
+
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "less_than_equal": ("le", "<="),
+           "greater_than": ("gt", ">"), "less_than": ("lt", "<")}
+
+
+def _describe(err: Any) -> str:
+    """A short message in the API's terms ("must be >= 0, got -1"), else pydantic's own."""
+    kind, ctx = err["type"], err.get("ctx", {})
+    if kind in _BOUNDS:
+        key, op = _BOUNDS[kind]
+        return f"must be {op} {ctx[key]}, got {err['input']!r}"
+    if kind == "missing":
+        return "is required"
+    if kind == "too_short":
+        return f"must have at least {ctx.get('min_length', 1)} item(s)"
+    if kind == "string_too_short":
+        return "must not be empty"
+    return str(err["msg"]).removeprefix("Value error, ")
 
 
 def format_loc(loc: list[int | str]) -> str:

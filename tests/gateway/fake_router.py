@@ -1,0 +1,130 @@
+"""A scripted ``Router`` servicer: the layer below the gateway, on a real ``grpc.aio`` server.
+
+The prompt (or a chat's last message) picks the script:
+
+    "quota"     RESOURCE_EXHAUSTED with trailing metadata retry-after: 7
+    "busy"      UNAVAILABLE
+    "badparam"  INVALID_ARGUMENT naming max_tokens
+    "midfail"   two tokens, then INTERNAL
+    "abort"     one token, then finish_reason ABORT
+    "hang"      placement and one token, then waits until cancelled (recorded in ``cancelled``)
+    anything    the reply REPLY one token a message, honouring max_tokens, stop and seed
+
+Unknown models get NOT_FOUND. Every request is recorded in ``requests``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+from pdserve.proto.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+MODEL = "tiny"
+REPLY = ["Hello", ",", " world", "!", " END"]
+TOKEN_BASE = 100
+
+
+def prompt_text(req: router_pb2.GenerateRequest) -> str:
+    kind = req.WhichOneof("input")
+    if kind == "prompt":
+        return req.prompt
+    if kind == "chat":
+        return req.chat.messages[-1].content if req.chat.messages else ""
+    return " ".join(str(t) for t in req.prompt_token_ids.ids)
+
+
+def prompt_len(req: router_pb2.GenerateRequest) -> int:
+    if req.WhichOneof("input") == "prompt_token_ids":
+        return len(req.prompt_token_ids.ids)
+    if req.WhichOneof("input") == "chat":
+        return sum(len(m.content.split()) + 2 for m in req.chat.messages)
+    return len(req.prompt.split())
+
+
+class FakeRouter(router_pb2_grpc.RouterServicer):
+    def __init__(self) -> None:
+        self.requests: list[router_pb2.GenerateRequest] = []
+        self.cancelled: list[str] = []
+
+    async def ListModels(self, request: Any, context: Any) -> router_pb2.ListModelsResponse:
+        return router_pb2.ListModelsResponse(
+            models=[router_pb2.ModelInfo(id=MODEL, max_context=2048, block_size=16)])
+
+    async def Generate(self, req: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> Any:
+        self.requests.append(req)
+        if req.model != MODEL:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model: {req.model!r} is not served")
+        text = prompt_text(req)
+        if text == "quota":
+            context.set_trailing_metadata((("retry-after", "7"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant token rate exceeded")
+        if text == "busy":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance")
+        if text == "badparam":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be <= 4096")
+        placement = router_pb2.Placement(prefill_instance="p0", decode_instance="d0",
+                                         prompt_tokens=prompt_len(req))
+        yield router_pb2.GenerateResponse(placement=placement)
+        if text in ("midfail", "abort", "hang"):
+            yield self._token(req, 0, REPLY[0])
+            if text == "midfail":
+                yield self._token(req, 1, REPLY[1])
+                await context.abort(grpc.StatusCode.INTERNAL, "decode instance died")
+            if text == "abort":
+                yield router_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_ABORT)
+                return
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                self.cancelled.append(req.meta.request_id)
+                raise
+        async for msg in self._reply(req):
+            yield msg
+
+    async def _reply(self, req: router_pb2.GenerateRequest) -> Any:
+        s = req.sampling
+        words = list(REPLY)
+        if s.HasField("seed"):
+            words[0] = f"s{s.seed}"
+        limit = s.max_tokens or len(words)
+        out, finish = "", common_pb2.FINISH_REASON_STOP
+        for i, word in enumerate(words):
+            if i == limit:
+                finish = common_pb2.FINISH_REASON_LENGTH
+                break
+            stop = next((x for x in s.stop if x in out + word), None)
+            if stop is not None:
+                word = (out + word)[: (out + word).index(stop)][len(out):]
+                msg = self._token(req, i, word)
+                msg.finish_reason = finish
+                msg.usage.CopyFrom(self._usage(req, i + 1))
+                yield msg
+                return
+            out += word
+            msg = self._token(req, i, word)
+            if i == len(words) - 1:
+                msg.finish_reason = finish
+                msg.usage.CopyFrom(self._usage(req, i + 1))
+            yield msg
+            await asyncio.sleep(0)
+        if finish == common_pb2.FINISH_REASON_LENGTH:
+            yield router_pb2.GenerateResponse(finish_reason=finish, usage=self._usage(req, limit))
+
+    def _usage(self, req: router_pb2.GenerateRequest, completion: int) -> common_pb2.Usage:
+        return common_pb2.Usage(prompt_tokens=prompt_len(req), completion_tokens=completion,
+                                cached_tokens=1)
+
+    def _token(self, req: router_pb2.GenerateRequest, i: int, word: str
+               ) -> router_pb2.GenerateResponse:
+        msg = router_pb2.GenerateResponse(token_ids=[TOKEN_BASE + i], text=word)
+        if req.sampling.HasField("logprobs"):
+            top = [common_pb2.TokenLogprob(token_id=TOKEN_BASE + i, logprob=-0.25)]
+            top += [common_pb2.TokenLogprob(token_id=1000 + k, logprob=-2.0 - k)
+                    for k in range(req.sampling.logprobs - 1)]
+            msg.logprobs.append(common_pb2.PositionLogprobs(
+                sampled=common_pb2.TokenLogprob(token_id=TOKEN_BASE + i, logprob=-0.25),
+                top=top[: req.sampling.logprobs]))
+        return msg
