@@ -8,10 +8,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from pdserve import telemetry
 from pdserve.hashing import hash_blocks
 from pdserve.proto.v1 import common_pb2
+
 from services.router import metrics
 from tests.conftest import RedisServer, free_port
 from tests.router.conftest import Cluster, request
