@@ -108,7 +108,8 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
                 last = i == self.num_tokens - 1 and not self.decode_hang
                 yield engine_pb2.DecodeChunk(
                     token_ids=[100 + i], text=f"t{i}",
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
+                    finish_reason=(common_pb2.FINISH_REASON_LENGTH if last
+                                   else common_pb2.FINISH_REASON_UNSPECIFIED),
                     usage=common_pb2.Usage(cached_tokens=4) if last else None)
                 if self.decode_hang:
                     await asyncio.sleep(3600)

@@ -35,13 +35,13 @@ async def test_disaggregated_path_streams_first_token_then_decode(cluster: Clust
 async def test_text_and_chat_prompts_are_tokenized(cluster: Cluster) -> None:
     p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
     _, client = await cluster.router([p], [d])
+    tok = cluster.spec.tokenizer
+    assert tok is not None
     await client.generate(prompt="hello world")
-    assert list(p.seen.prefills[0].prompt_token_ids) == cluster.spec.tokenizer.encode(
-        "hello world")
+    assert list(p.seen.prefills[0].prompt_token_ids) == tok.encode("hello world")
     chat = router_pb2.GenerateRequest(model="tiny")
     chat.chat.messages.add(role="user", content="hi")
     _ = [m async for m in client.stub.Generate(chat, timeout=10)]
-    tok = cluster.spec.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert list(p.seen.prefills[1].prompt_token_ids) == tok.encode(text, add_special_tokens=False)
 
