@@ -102,7 +102,9 @@ async def _follow(inst: Instance, job: DecodeJob, stream: RequestStream, prompt:
     num_done = 0 if job.first_token_id is None else 1
     last = time.monotonic()
     async for out in stream:
-        chunk = Chunk(list(out.new_token_ids), text=text.add(out.new_token_ids))
+        chunk = Chunk(list(out.new_token_ids))
+        if not out.finished:
+            chunk.text = text.add(out.new_token_ids)
         if params.logprobs is not None and out.logprobs:
             chunk.logprobs = list(zip(out.new_token_ids, out.logprobs, strict=True))
         num_done += len(out.new_token_ids)
@@ -110,7 +112,7 @@ async def _follow(inst: Instance, job: DecodeJob, stream: RequestStream, prompt:
         metrics.TOKEN_GAP_SECONDS.observe(now - last)
         last = now
         if out.finished:
-            chunk.text += text.finish(out.stop_text)
+            chunk.text = text.finish(out.new_token_ids, out.stop_text)
             chunk.finish_reason = out.finish_reason
             chunk.completion_tokens = num_done
             # Disaggregated: imported blocks are not this request's cache hits; the router

@@ -72,7 +72,8 @@ class RequestStream:
 
 
 class ThroughputWindow:
-    """Recent prefill/decode tokens per second from cumulative counters sampled each step."""
+    """Recent prefill/decode tokens per second: the tokens of the steps that ended in the last
+    ``window_s`` seconds (counted from cumulative counters sampled after each step)."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
@@ -80,17 +81,22 @@ class ThroughputWindow:
 
     def add(self, now: float, num_prefill: int, num_decode: int) -> None:
         self._samples.append((now, num_prefill, num_decode))
-        while len(self._samples) > 2 and now - self._samples[1][0] > self.window_s:
+        # Keep one sample at or before the window's start: the baseline of the counts.
+        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
             self._samples.popleft()
 
     def rates(self, now: float) -> tuple[float, float]:
         samples = list(self._samples)  # a snapshot: the engine thread appends concurrently
-        if len(samples) < 2:
+        if not samples:
             return 0.0, 0.0
-        t0, p0, d0 = samples[0]
+        start = now - self.window_s
+        base = samples[0]
+        for sample in samples:
+            if sample[0] <= start:
+                base = sample
         _, p1, d1 = samples[-1]
-        span = max(now - t0, 1e-3)
-        return (p1 - p0) / span, (d1 - d0) / span
+        span = max(min(self.window_s, now - base[0]), 1e-3)
+        return (p1 - base[1]) / span, (d1 - base[2]) / span
 
 
 class AsyncEngine:

@@ -23,22 +23,24 @@ class TextStream:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Decode new tokens; return the delta that is safe to stream now."""
-        if self.tokenizer is None:
-            return ""
-        for t in token_ids:
-            self.text += self.tokenizer.decode_incremental(self.state, t)
-        safe = max(self.num_sent, len(self.text) - self.holdback)
-        return self._send(safe)
+        self._decode(token_ids)
+        return self._send(max(self.num_sent, len(self.text) - self.holdback))
 
-    def finish(self, stop_text: str | None) -> str:
-        """The rest of the text at the end; ``stop_text`` is the engine's cut output (it is
-        relative to the output tokens the engine saw, which start where this stream started)."""
-        if self.tokenizer is None:
-            return ""
-        self.text += self.tokenizer.flush(self.state)
+    def finish(self, token_ids: Sequence[int], stop_text: str | None) -> str:
+        """The last tokens and the rest of the text. ``stop_text`` is the engine's output cut
+        at a stop string (relative to the output tokens it saw, which start where this
+        stream's context ends); it replaces the decoded text when it agrees with what was sent."""
+        self._decode(token_ids)
+        if self.tokenizer is not None:
+            self.text += self.tokenizer.flush(self.state)
         if stop_text is not None and stop_text.startswith(self.text[: self.num_sent]):
             self.text = stop_text
         return self._send(len(self.text))
+
+    def _decode(self, token_ids: Sequence[int]) -> None:
+        if self.tokenizer is not None:
+            for t in token_ids:
+                self.text += self.tokenizer.decode_incremental(self.state, t)
 
     def _send(self, upto: int) -> str:
         delta = self.text[self.num_sent: upto]

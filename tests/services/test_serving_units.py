@@ -1,0 +1,105 @@
+"""Units of pdserve.serving: streamed text with stop-string holdback, the throughput window,
+the engine thread under concurrent adds/aborts, and registration in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from pdserve.registry import list_instances
+from pdserve.sampling_params import SamplingParams
+from pdserve.serving.async_engine import AsyncEngine, ThroughputWindow
+from pdserve.serving.config import EngineServiceConfig
+from pdserve.serving.text import TextStream
+from tests.services.harness import engine, serve
+
+
+def test_text_stream_never_sends_what_a_stop_string_cuts() -> None:
+    tok = engine().tokenizer
+    ids = tok.encode("hello world, this is the end of it", add_special_tokens=False)
+    stream = TextStream(tok, [], stop=["the end"])
+    sent = ""
+    for i, t in enumerate(ids):  # as the engine does: stop on the token completing the match
+        text = tok.decode(ids[: i + 1])
+        if "the end" in text:
+            cut = text[: text.index("the end")]
+            sent += stream.finish([t], cut)
+            break
+        sent += stream.add([t])
+        assert "hello world, this is ".startswith(sent)  # nothing the cut drops was sent
+    assert sent == "hello world, this is "
+
+
+def test_text_stream_without_stop_sends_everything() -> None:
+    tok = engine().tokenizer
+    ids = tok.encode("streaming text arrives piece by piece", add_special_tokens=False)
+    stream = TextStream(tok, [])
+    sent = "".join(stream.add([t]) for t in ids[:-1]) + stream.finish(ids[-1:], None)
+    assert sent == tok.decode(ids)
+
+
+def test_throughput_window_keeps_only_recent_samples() -> None:
+    w = ThroughputWindow(window_s=10.0)
+    w.add(0.0, 0, 0)
+    w.add(5.0, 500, 50)
+    w.add(20.0, 600, 60)
+    w.add(25.0, 1100, 110)
+    prefill, decode = w.rates(25.0)
+    # Steps ending in (15, 25]: 600 prefill and 60 decode tokens over the 10 s window.
+    assert (round(prefill), round(decode)) == (60, 6)
+    assert w.rates(100.0) == (0.0, 0.0)  # idle since: nothing recent
+    fresh = ThroughputWindow(window_s=10.0)
+    fresh.add(0.0, 0, 0)
+    fresh.add(2.0, 100, 0)
+    assert fresh.rates(2.0) == (50.0, 0.0)  # younger than the window: over its own age
+
+
+async def test_engine_thread_serves_concurrent_adds_and_aborts() -> None:
+    eng = engine()
+    aeng = AsyncEngine(eng)
+    aeng.start()
+    try:
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        streams = [await aeng.add_request(f"u{i}", [3 + i, 4, 5, 6], params) for i in range(6)]
+        assert await aeng.abort("u0")
+
+        async def drain(stream: object) -> tuple[int, str | None]:
+            n, reason = 0, None
+            async for out in stream:  # type: ignore[attr-defined]
+                n += len(out.new_token_ids)
+                reason = out.finish_reason
+            return n, reason
+
+        results = await asyncio.gather(*[drain(s) for s in streams])
+        assert results[0][1] == "abort"
+        assert all(r == (20, "length") for r in results[1:])
+        assert aeng.num_streams == 0
+        stats = await aeng.call(lambda e: e.stats())
+        assert stats.num_blocks_used == 0
+    finally:
+        await aeng.close()
+    eng.check_integrity()
+
+
+async def test_colocated_instance_registers_and_deregisters(redis_url: str) -> None:
+    config = EngineServiceConfig(role="colocated", num_blocks=64, redis_url=redis_url,
+                                 instance_id="c7", registry_ttl=2.0)
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        async with serve(config, engine()) as client:
+            for _ in range(50):
+                records = await list_instances(redis)
+                if records:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(records) == 1
+            rec = records[0]
+            assert (rec.instance_id, rec.role, rec.model, rec.block_size) == \
+                ("c7", "colocated", "tiny", 16)
+            assert rec.address == client.instance.address
+            ttl = await redis.pttl("pdserve:instance:c7")
+            assert 0 < ttl <= 2000
+        assert await list_instances(redis) == []  # deregistered on stop
+    finally:
+        await redis.aclose()
