@@ -38,6 +38,13 @@ class LLM:
         self.engine = Engine.from_model(model, EngineArgs(dtype=dtype, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        """Wrap an existing engine (tests, or a caller that built the model itself)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        return llm
+
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
@@ -45,7 +52,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids instead")
             return list(self.tokenizer.encode(prompt))
-        ids = list(prompt)
+        ids = list(prompt) if isinstance(prompt, Sequence) else [prompt]
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt must be a string or a list of int token ids")
         return ids

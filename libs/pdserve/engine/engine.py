@@ -50,6 +50,7 @@ class Engine:
         self.device = device
         self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
+        self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []  # abort notices, delivered by the next step
@@ -76,7 +77,7 @@ class Engine:
         req = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
             arrival=next(self._arrivals), max_len=max_len,
-            eos_token_ids=frozenset(self.config.eos_token_ids), priority=priority,
+            eos_token_ids=self.eos_token_ids, priority=priority,
             cache_salt=cache_salt, prefill_only=prefill_only, generator=gen)
         self.requests[request_id] = req
         self.scheduler.add(req)
