@@ -124,5 +124,5 @@ def logprobs_to_proto(token_id: int, lp: Logprob) -> common_pb2.PositionLogprobs
         top=[common_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
-def finish_to_proto(reason: str | None) -> int:
+def finish_to_proto(reason: str | None) -> common_pb2.FinishReason:
     return FINISH_REASONS.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)

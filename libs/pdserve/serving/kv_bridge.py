@@ -31,7 +31,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 
 def slot_checksum(view: torch.Tensor) -> int:
-    return block_checksum(memoryview(view.contiguous().view(torch.uint8).numpy()).cast("B"))
+    return block_checksum(view.contiguous().view(torch.uint8).numpy().data)
 
 
 class KvBridge:
