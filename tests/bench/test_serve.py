@@ -94,9 +94,9 @@ async def test_multiturn_turns_wait_and_extend_the_conversation() -> None:
                 " tok")
     for r in run.results:
         if r.turn > 0:  # sent only after the previous turn of its conversation finished
-            prev = next(x for x in run.results
-                        if (x.conversation, x.turn) == (r.conversation, r.turn - 1))
-            assert r.start_s >= prev.start_s + prev.e2e_s
+            before = next(x for x in run.results
+                          if (x.conversation, x.turn) == (r.conversation, r.turn - 1))
+            assert r.start_s >= before.start_s + before.e2e_s
 
 
 async def test_failed_turn_ends_its_conversation() -> None:

@@ -39,7 +39,7 @@ def test_ttft_tpot_itl_from_synthetic_stream() -> None:
     assert t.num_tokens == 4
     assert t.itls_s == pytest.approx((0.05, 0.1, 0.1))  # the 0.2 s gap spread over 2 tokens
     assert t.tpot_s == pytest.approx((10.35 - 10.1) / 3)
-    assert sum(t.itls_s) == pytest.approx(t.tpot_s * 3)
+    assert t.tpot_s is not None and sum(t.itls_s) == pytest.approx(t.tpot_s * 3)
 
 
 def test_timings_edge_cases() -> None:

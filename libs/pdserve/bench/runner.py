@@ -12,7 +12,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,18 +173,21 @@ async def run_plan(client: Client, plan: Plan, timeout_s: float,
     return results, skipped
 
 
-async def run_load_async(target: Target, load: LoadSettings,
-                         maker: PromptMaker | None = None) -> list[RunResult]:
+async def run_load_async(target: Target, load: LoadSettings, maker: PromptMaker | None = None,
+                         *, rate_indices: Sequence[int] | None = None, warmup: bool = True
+                         ) -> list[RunResult]:
+    """Every rate of ``load`` (or those at ``rate_indices``), after the warm-up requests."""
     client = target.client(load.request_timeout_s)
     runs: list[RunResult] = []
+    indices = range(len(load.rates)) if rate_indices is None else rate_indices
     try:
         await client.resolve_model()
-        if load.warmup_requests:
+        if load.warmup_requests and warmup:
             warm = make_plan(load.workload, math.inf, load.seed,
                              num_requests=load.warmup_requests, stream="warmup", maker=maker)
             await run_plan(client, warm, load.request_timeout_s)
-        for i, rate in enumerate(load.rates):
-            plan = load.plan(i, maker)
+        for i in indices:
+            rate, plan = load.rates[i], load.plan(i, maker)
             bar = tqdm(total=plan.num_requests, desc=f"{plan.workload} @ {rate:g} req/s",
                        unit="req", file=sys.stderr, disable=None if load.progress else True)
             try:
