@@ -82,14 +82,14 @@ async def run_decode(inst: Instance, job: DecodeJob, timeout: float) -> AsyncIte
 async def _receive_blocks(inst: Instance, job: DecodeJob, timeout: float) -> None:
     if not job.blocks:
         return
-    if inst.bridge is None:
-        raise BadRequest("blocks: this instance has no kvd (--kvd) to receive them from")
     stats = await inst.aengine.call(lambda e: e.stats())
     need = len(job.blocks) + 1
     if stats.num_blocks_free < need:
         raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"KV cache: {stats.num_blocks_free} free blocks, this request needs "
                        f"{need} to start: try another instance")
+    if inst.bridge is None:
+        raise BadRequest("blocks: this instance has no kvd (--kvd) to receive them from")
     start = time.monotonic()
     await inst.bridge.receive(job.blocks, job.source, timeout)
     metrics.KV_WAIT_SECONDS.observe(time.monotonic() - start)

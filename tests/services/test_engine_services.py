@@ -9,6 +9,7 @@ import functools
 
 import grpc
 import pytest
+from pdserve.hashing import hash_blocks
 from pdserve.llm import LLM
 from pdserve.proto.v1 import common_pb2, engine_pb2
 from pdserve.sampling_params import SamplingParams
@@ -218,3 +219,19 @@ async def test_set_role_switches_a_flex_instance_only() -> None:
             await fixed.admin.SetRole(engine_pb2.SetRoleRequest(role=common_pb2.ROLE_PREFILL))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "only a flex instance" in (err.value.details() or "")
+
+
+async def test_decode_without_room_for_the_blocks_is_resource_exhausted() -> None:
+    prompt = PROMPTS["many_blocks"]  # 4 full blocks: needs 5 free pages to start
+    small = engine("tiny", 4)
+    fingerprint = small.config.fingerprint
+    refs = [common_pb2.BlockRef(hash=h) for h in hash_blocks(prompt, 16, fingerprint)]
+    async with serve(EngineServiceConfig(role="decode", num_blocks=4), small) as d:
+        req = engine_pb2.DecodeRequest(meta=common_pb2.RequestMeta(request_id="full"),
+                                       prompt_token_ids=prompt, sampling=greedy(4),
+                                       first_token_id=3, blocks=refs)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in d.decode_stub.Decode(req, timeout=10):
+                pass
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "4 free blocks, this request needs 5" in (err.value.details() or "")
