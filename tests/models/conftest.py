@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def save_reference(model: transformers.PreTrainedModel, directory: Path, tokenizer_dir: Path,
-                   **save_kwargs: object) -> Path:
+                   **save_kwargs: Any) -> Path:
     model.save_pretrained(directory, **save_kwargs)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, directory / name)
@@ -47,7 +48,7 @@ def save_reference(model: transformers.PreTrainedModel, directory: Path, tokeniz
 
 @torch.no_grad()
 def pdserve_logits(model: CausalLM, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
-    positions = torch.arange(start, start + len(ids))
+    positions = torch.arange(start, start + len(ids), device=ids.device)
     backend = DenseCausalBackend()
     hidden = model(ids, positions, backend)
     assert backend.calls == list(range(model.config.num_layers))
