@@ -55,7 +55,7 @@ class LLM:
         ids = list(prompt) if isinstance(prompt, Sequence) else [prompt]
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt must be a string or a list of int token ids")
-        return ids
+        return ids  # type: ignore[return-value]  # checked element-wise above
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -102,7 +102,7 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
+    items: list[Any] = list(prompts)
     if not items:
         raise ValueError("prompts must not be empty")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in items):

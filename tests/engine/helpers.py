@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
 from pdserve.models import LoadedModel, load_model
@@ -33,12 +32,12 @@ def random_prompts(lens: list[int], seed: int = 0, prefix: list[int] | None = No
 def run_all(engine: Engine, prompts: list[list[int]],
             params: SamplingParams | list[SamplingParams] = GREEDY,
             priorities: list[int] | None = None, check_every_step: bool = True
-            ) -> tuple[list[list[int]], dict[str, str], list[str]]:
+            ) -> tuple[list[list[int]], dict[int, str], list[str]]:
     """Run prompts to completion; returns (tokens per prompt, finish reasons, finish order)."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
     base = len(engine.requests) + engine.stats().num_prefill_tokens  # unique-ish ids
     ids = [f"q{base}-{i}" for i in range(len(prompts))]
-    for i, (rid, p) in enumerate(zip(ids, prompts)):
+    for i, (rid, p) in enumerate(zip(ids, prompts, strict=True)):
         engine.add_request(rid, p, plist[i], priority=priorities[i] if priorities else 0)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     reasons: dict[str, str] = {}

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from pdserve.attention import get_backend
 from pdserve.attention.base import AttentionMetadata
 
@@ -30,7 +29,7 @@ def _run_step(cached: list[int], new: list[int], seed: int) -> None:
     layers = [torch.zeros(PAGES, 2, PAGE, KVH, HD) for _ in range(2)]
     perm = torch.randperm(PAGES, generator=g).tolist()
     tables, slots, full_k, full_v, qs, ks, vs = [], [], [], [], [], [], []
-    for c, n in zip(cached, new):
+    for c, n in zip(cached, new, strict=True):
         num_pages = -(-(c + n) // PAGE)
         pages, perm = perm[:num_pages], perm[num_pages:]
         tables.append(pages)
@@ -49,7 +48,7 @@ def _run_step(cached: list[int], new: list[int], seed: int) -> None:
     md = AttentionMetadata(
         qo_indptr=torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32),
         page_table=tables,
-        kv_lens=torch.tensor([c + n for c, n in zip(cached, new)], dtype=torch.int32),
+        kv_lens=torch.tensor([c + n for c, n in zip(cached, new, strict=True)], dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         is_decode_only=all(n == 1 for n in new),
     )
@@ -57,10 +56,11 @@ def _run_step(cached: list[int], new: list[int], seed: int) -> None:
     backend.prepare(md)
     for layer_id in range(len(layers)):
         out = backend.forward(layer_id, torch.cat(qs), torch.cat(ks), torch.cat(vs))
-        ref = torch.cat([_dense(q, k, v, c) for q, k, v, c in zip(qs, full_k, full_v, cached)])
+        parts = zip(qs, full_k, full_v, cached, strict=True)
+        ref = torch.cat([_dense(q, k, v, c) for q, k, v, c in parts])
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     # The new tokens' K/V were stored in their pages.
-    for table, k_all, v_all, c, n in zip(tables, full_k, full_v, cached, new):
+    for table, k_all, v_all, c, n in zip(tables, full_k, full_v, cached, new, strict=True):
         for pos in range(c, c + n):
             torch.testing.assert_close(layers[1][table[pos // PAGE], 0, pos % PAGE], k_all[pos])
             torch.testing.assert_close(layers[1][table[pos // PAGE], 1, pos % PAGE], v_all[pos])

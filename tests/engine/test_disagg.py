@@ -4,7 +4,6 @@ exactly the tokens a single engine produces."""
 from __future__ import annotations
 
 import torch
-
 from helpers import GREEDY, make_engine, random_prompts, run_all
 from pdserve.hashing import hash_blocks
 from pdserve.sampling_params import SamplingParams
@@ -33,10 +32,10 @@ def test_prefill_export_import_decode_equals_single_engine() -> None:
     results = _prefill(a, prompts)
     assert a.stats().num_held == len(prompts)
     wires = []
-    for p, (final, streamed) in zip(prompts, results):
+    for p, (final, streamed) in zip(prompts, results, strict=True):
         assert final.finish_reason == "stop" and len(final.new_token_ids) == 1
         assert final.block_hashes == hash_blocks(p, 16, a.config.fingerprint)
-        assert list(zip(final.block_hashes, final.page_ids)) == streamed
+        assert list(zip(final.block_hashes, final.page_ids, strict=True)) == streamed
         # The wire buffer may be any memory, e.g. a view of a shared-memory segment.
         n = len(final.page_ids)
         shape = (n, *a.cache.block_shape)
@@ -52,7 +51,7 @@ def test_prefill_export_import_decode_equals_single_engine() -> None:
 
     b = make_engine(num_blocks=64)
     got = []
-    for i, (p, (hashes, data, first)) in enumerate(zip(prompts, wires)):
+    for p, (hashes, data, first) in (zip(prompts, wires, strict=True)):
         assert b.import_blocks(hashes, data) == len(hashes)
         assert b.import_blocks(hashes, data) == 0  # already cached
         before = b.stats()

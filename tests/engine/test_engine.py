@@ -4,7 +4,6 @@ priority, abort. Outputs must not depend on any of them."""
 from __future__ import annotations
 
 import pytest
-
 from helpers import GREEDY, make_engine, random_prompts, run_all
 from pdserve.sampling_params import SamplingParams
 

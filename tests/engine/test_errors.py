@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import make_engine
 from pdserve.engine.cli import generate_main
 from pdserve.engine.config import EngineArgs

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import transformers
-
+from pdserve.attention import get_backend
+from pdserve.attention.base import AttentionMetadata
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_cache import PagedKVCache
-from pdserve.attention import get_backend
-from pdserve.attention.base import AttentionMetadata
 from pdserve.models.builtin_tokenizer import VOCAB_SIZE, tokenizer_config, tokenizer_json
 from pdserve.sampling_params import SamplingParams
 
@@ -30,7 +30,7 @@ _COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=512, initializer_range=0.1, bos_token_id=0,
                eos_token_id=1)
-CONFIGS = {
+CONFIGS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
                 dict(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
@@ -46,7 +46,7 @@ def _prompts() -> list[list[int]]:
             for n in PROMPT_LENS for _ in range(2)]
 
 
-def _save(kind: str, path: Path) -> torch.nn.Module:
+def _save(kind: str, path: Path) -> Any:
     config_cls, model_cls, extra = CONFIGS[kind]
     torch.manual_seed(list(CONFIGS).index(kind))
     config = config_cls(**_COMMON, **extra)
@@ -74,7 +74,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 @torch.inference_mode()
-def _hf_greedy(hf: torch.nn.Module, prompts: list[list[int]]) -> list[list[int]]:
+def _hf_greedy(hf: Any, prompts: list[list[int]]) -> list[list[int]]:
     out: list[list[int]] = []
     for i in range(0, len(prompts), 2):  # same-length pairs batch without padding
         ids = torch.tensor(prompts[i:i + 2])
@@ -102,7 +102,7 @@ def test_greedy_matches_transformers(pair) -> None:
     expected = _hf_greedy(hf, prompts)
     got = _generate(engine, prompts)
     assert all(len(e) == NEW_TOKENS for e in expected)
-    for i, (e, g) in enumerate(zip(expected, got)):
+    for i, (e, g) in enumerate(zip(expected, got, strict=True)):
         assert g == e, f"{kind} prompt {i} (len {len(prompts[i])}) diverges"
 
 

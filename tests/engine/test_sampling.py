@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from helpers import make_engine, random_prompts
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
@@ -55,7 +54,7 @@ def test_logprobs_consistent() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     out = Sampler()(logits, _reqs(3, temperature=0.0, logprobs=5))
     ref = logits.log_softmax(-1)
-    for row, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+    for row, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
         assert lp is not None and len(lp.top) == 5
         assert tok == lp.top[0][0]
         assert lp.logprob == pytest.approx(max(v for _, v in lp.top))
@@ -98,7 +97,7 @@ def test_logprobs_through_engine(llm: LLM, prompts) -> None:
     out = llm.generate(prompts[1], SamplingParams(max_tokens=6, temperature=0.0,
                                                   logprobs=3, ignore_eos=True))[0]
     assert out.logprobs is not None and len(out.logprobs) == 6
-    for tok, lp in zip(out.token_ids, out.logprobs):
+    for tok, lp in zip(out.token_ids, out.logprobs, strict=True):
         assert lp.top[0][0] == tok and lp.logprob == max(v for _, v in lp.top)
         assert math.exp(lp.logprob) <= 1.0
 

@@ -26,7 +26,8 @@ class FlashInferBackend(AttentionBackend):
         self.scale = scale
         self.device = kv_caches[0].device
         if self.device.type != "cuda":
-            raise ValueError(f"attention_backend 'flashinfer' needs CUDA, cache is on {self.device}")
+            raise ValueError(
+                f"attention_backend 'flashinfer' needs CUDA, cache is on {self.device}")
         workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
@@ -37,7 +38,8 @@ class FlashInferBackend(AttentionBackend):
         ps = self.page_size
         kv_lens = metadata.kv_lens.to("cpu", torch.int32)
         num_pages = [-(-int(n) // ps) for n in kv_lens.tolist()]
-        indices = [p for pages, n in zip(metadata.page_table, num_pages) for p in pages[:n]]
+        tables = zip(metadata.page_table, num_pages, strict=True)
+        indices = [p for pages, n in tables for p in pages[:n]]
         indptr = torch.zeros(len(num_pages) + 1, dtype=torch.int32)
         indptr[1:] = torch.tensor(num_pages, dtype=torch.int32).cumsum(0)
         last_page_len = (kv_lens - 1) % ps + 1

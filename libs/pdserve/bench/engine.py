@@ -14,9 +14,9 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
-
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
 from pdserve.models import save_builtin
@@ -56,7 +56,7 @@ def run_pdserve(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tu
 
 
 @torch.inference_mode()
-def run_hf(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int
+def run_hf(model: Any, prompts: list[list[int]], new_tokens: int
            ) -> tuple[float, float]:
     ids = torch.tensor(prompts)
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,

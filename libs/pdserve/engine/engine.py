@@ -16,7 +16,6 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from pdserve.attention import get_backend
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.kv_cache import KVCacheManager, PagedKVCache
@@ -143,7 +142,7 @@ class Engine:
         if batch.is_empty and self.scheduler.waiting and not self.scheduler.running:
             raise RuntimeError("no request can be scheduled: the KV cache is full of pages "
                                f"held by {self._num_held()} prefill_only requests")
-        results = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled else iter(())
+        results = iter(zip(sampled.token_ids, sampled.logprobs, strict=True) if sampled else ())
         for req, num_new in zip(batch.reqs, batch.num_new_tokens, strict=True):
             is_prefill = num_new > 1 or req.num_computed_tokens < req.num_prompt_tokens
             kind = "prefill" if is_prefill else "decode"

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from pdserve.engine.request import Logprob, Request
 
 
@@ -34,10 +33,7 @@ class Sampler:
         logits = logits.float()
         params = [r.params for r in reqs]
         greedy = logits.argmax(-1)
-        if all(p.is_greedy for p in params):
-            tokens = greedy
-        else:
-            tokens = self._sample(logits, reqs, greedy)
+        tokens = greedy if all(p.is_greedy for p in params) else self._sample(logits, reqs, greedy)
         return SamplerOutput(tokens.tolist(), self._logprobs(logits, tokens, reqs))
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request],
