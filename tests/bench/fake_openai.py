@@ -62,7 +62,10 @@ class FakeServer:
             choice["finish_reason"] = "length" if sent + n == max_tokens else None
             if self.send_token_ids:
                 choice["token_ids"] = list(range(sent, sent + n))
-            await _send(resp, {"object": "chunk", "choices": [choice]})
+            chunk: dict = {"object": "chunk", "choices": [choice]}
+            if (body.get("stream_options") or {}).get("continuous_usage_stats"):
+                chunk["usage"] = {"prompt_tokens": 1, "completion_tokens": sent + n}
+            await _send(resp, chunk)
             sent += n
             if behaviour == "broken" and sent >= 2:
                 assert request.transport is not None

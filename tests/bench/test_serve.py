@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -59,22 +60,25 @@ async def test_errors_are_counted_and_the_run_completes() -> None:
     assert body["stream_options"] == {"include_usage": True}
 
 
-@pytest.mark.parametrize("send_token_ids", [True, False])
-async def test_tokens_batched_in_chunks_and_completions_api(send_token_ids: bool) -> None:
-    server = FakeServer(tokens_per_chunk=3, send_token_ids=send_token_ids)
+@pytest.mark.parametrize("counting", ["token_ids", "continuous_usage", "text"])
+async def test_tokens_batched_in_chunks_and_completions_api(counting: str) -> None:
+    server = FakeServer(tokens_per_chunk=3, send_token_ids=counting == "token_ids")
+    target = Target(base_url="http://unused", api="completions",
+                    continuous_usage=counting == "continuous_usage")
     async for url in _serve(server):
-        (run,) = await run_load_async(Target(base_url=url, api="completions"),
-                                      _load(num_requests=4))
+        (run,) = await run_load_async(replace(target, base_url=url), _load(num_requests=4))
     assert run.summary.num_errors == 0
     for r, body in zip(sorted(run.results, key=lambda r: r.conversation),
                        server.bodies, strict=True):
         assert "prompt" in body and r.tokens_out == body["max_tokens"]  # from usage
-        assert r.tokens_in == len(body["prompt"].split())  # the server's usage wins
         num_chunks = math.ceil(r.tokens_out / 3)
-        if send_token_ids:  # exact: one ITL per token after the first chunk's 3
-            assert len(r.itls_s) == r.tokens_out - 3
-        else:  # without per-chunk counts each text chunk counts as one token
+        if counting == "text":  # without per-chunk counts each text chunk counts as one token
             assert len(r.itls_s) == num_chunks - 1
+            assert r.tokens_in == len(body["prompt"].split())  # the final usage wins
+        else:  # exact: one ITL per token after the first chunk's 3
+            assert len(r.itls_s) == r.tokens_out - 3
+        # TPOT always divides by the server's token count
+        assert r.tpot_s == pytest.approx(sum(r.itls_s) / (r.tokens_out - 1))
 
 
 async def test_multiturn_turns_wait_and_extend_the_conversation() -> None:

@@ -147,7 +147,8 @@ def run_side(cfg: BenchConfig, cmp: Comparison, stack: StackConfig, out_dir: Pat
         if profile:
             spy = _start_pyspy(info.pid, prof_dir / "py-spy.txt")
         try:
-            target = Target(base_url=info.base_url, api=cfg.run.api, model=cfg.run.model)
+            target = Target(base_url=info.base_url, api=cfg.run.api, model=cfg.run.model,
+                            continuous_usage=cfg.run.continuous_usage)
             runs = asyncio.run(_drive(target, cfg, cmp, info.router, maker, progress))
         finally:
             _stop_pyspy(spy)

@@ -62,6 +62,9 @@ class RunConfig:
     ready_timeout_s: float = 600.0
     tokenizer_model: str | None = None
     tokens_per_word: float = 1.0
+    # Ask for cumulative usage in every chunk (vLLM's stream_options.continuous_usage_stats):
+    # exact tokens per chunk where supported, ignored elsewhere.
+    continuous_usage: bool = True
 
     def __post_init__(self) -> None:
         if not self.launcher:

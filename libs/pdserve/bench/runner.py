@@ -137,7 +137,7 @@ async def _one_request(client: Client, conv: Conversation, index: int, turn: Tur
         record.fail("no_tokens", "the stream finished without any token")
     result = RequestResult(
         conversation=conv.index, turn=index, kind=turn.kind, start_s=record.start - t0,
-        e2e_s=end - record.start, ttft_s=timings.ttft_s, tpot_s=timings.tpot_s,
+        e2e_s=end - record.start, ttft_s=timings.ttft_s, tpot_s=timings.tpot_for(tokens_out),
         itls_s=timings.itls_s,
         tokens_in=record.prompt_tokens if record.prompt_tokens is not None else turn.input_tokens,
         tokens_out=tokens_out, cached_tokens=record.cached_tokens, error=record.error,

@@ -7,7 +7,8 @@ Timing model of one streamed request (all times from ``time.perf_counter``)::
     ITLs: a chunk carrying n tokens that arrived dt after the previous token-carrying chunk
           adds n ITLs of dt / n each (tokens batched into one chunk are spread evenly, so there
           is one ITL per generated token after the first chunk's);
-    TPOT = (last token chunk - first token chunk) / (tokens_out - 1)   (None when tokens_out < 2)
+    TPOT = (last token chunk - first token chunk) / (tokens_out - 1)   (None when tokens_out < 2),
+           with tokens_out from the server's usage when it reports one (see client.py);
     E2E  = end - start.
 
 Chunks with no new tokens (a role-only first chunk, a usage-only last chunk) are ignored.
@@ -42,6 +43,12 @@ class Timings:
     tpot_s: float | None
     itls_s: tuple[float, ...]
     num_tokens: int  # tokens counted from the chunks
+    decode_s: float = 0.0  # first token-carrying chunk -> last one
+
+    def tpot_for(self, tokens_out: int) -> float | None:
+        """TPOT with the server's own token count (usage), which chunk counting can miss."""
+        return self.decode_s / (tokens_out - 1) if tokens_out > 1 and self.ttft_s is not None \
+            else None
 
 
 def timings_from_events(start: float, events: Iterable[tuple[float, int]]) -> Timings:
@@ -66,7 +73,7 @@ def timings_from_events(start: float, events: Iterable[tuple[float, int]]) -> Ti
     if first is None:
         return Timings(None, None, (), 0)
     tpot = (last - first) / (num_tokens - 1) if num_tokens > 1 else None
-    return Timings(first - start, tpot, tuple(itls), num_tokens)
+    return Timings(first - start, tpot, tuple(itls), num_tokens, last - first)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,34 @@
+"""One short real run: `pdserve up` (tiny model, one colocated engine) driven by the bench
+client through the gateway (HTTP) and the router (gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+from pdserve.bench.compare import _router_counters
+from pdserve.bench.configs import RunConfig
+from pdserve.bench.runner import LoadSettings, Target, run_load
+from pdserve.bench.stack import StackProcess
+from pdserve.bench.workload import WorkloadSpec
+
+from tests.bench.helpers import check_smoke_run
+
+
+def test_short_run_against_pdserve_up(tmp_path: Path) -> None:
+    argv = [*RunConfig().launcher_argv(), "--model", "tiny", "--colocated", "--decode", "1",
+            "--port", "0"]
+    with StackProcess("live", argv, env={}, log_path=tmp_path / "up.log",
+                      ready_timeout_s=240) as info:
+        check_smoke_run(info.base_url, num_requests=4, max_tokens=8)
+        assert info.router is not None
+        spec = WorkloadSpec.from_mapping("multiturn", {
+            "turns": [2, 2], "first_turn_input": [40, 40], "turn_input": [8, 8],
+            "turn_output": [4, 4]})
+        load = LoadSettings(workload=spec, rates=(math.inf,), num_requests=4, progress=False,
+                            request_timeout_s=60)
+        (run,) = run_load(Target(router=info.router), load)
+        assert run.summary.num_errors == 0 and run.summary.num_ok == 4
+        counters = asyncio.run(_router_counters(info.router))
+        assert counters["prompt_blocks"] > 0
