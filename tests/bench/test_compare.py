@@ -147,6 +147,8 @@ def test_bad_comparison_and_stack_files_are_named(tmp_path: Path) -> None:
 def test_shipped_default_config_loads() -> None:
     cfg = load_config(Path(__file__).resolve().parents[2] / "bench/configs/default.toml")
     assert {c.name for c in cfg.comparisons} == {"disaggregation", "routing"}
+    quick = load_config(cfg.path.with_name("quick.toml"))
+    assert quick.stacks.keys() == cfg.stacks.keys() and quick.run.stack_args[0] == "--model"
     assert set(cfg.stacks) == {"colocated", "disaggregated", "round_robin", "cache_aware"}
 
 

@@ -139,7 +139,7 @@ def run_side(cfg: BenchConfig, cmp: Comparison, stack: StackConfig, out_dir: Pat
     if profile:
         prof_dir.mkdir(parents=True, exist_ok=True)
         env["PDSERVE_PROFILE_DIR"] = str(prof_dir.resolve())
-    argv = [*cfg.run.launcher_argv(), *stack.args]
+    argv = [*cfg.run.launcher_argv(), *stack.args, *cfg.run.stack_args]
     print(f"== {cmp.name}: starting {stack.name}: {shlex.join(argv)}", file=sys.stderr, flush=True)
     spy = None
     with StackProcess(tag, argv, env=env, log_path=out_dir / "logs" / f"{tag}.log",

@@ -49,6 +49,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class RunConfig:
     launcher: tuple[str, ...] = ("pdserve", "up")
+    stack_args: tuple[str, ...] = ()  # appended to every stack's args (later flags win)
     api: str = "chat"
     model: str | None = None
     seed: int = 0

@@ -172,7 +172,7 @@ def report_markdown(results: list[ComparisonResult], run: RunConfig, command: st
     for res in results:
         cmp, verdict = res.comparison, judge(res, run)
         lines += ["", f"## {cmp.name}: {cmp.candidate} vs {cmp.baseline} ({cmp.workload.name})",
-                  "", *(f"- {s.stack}: {s.description} — `{shlex.join([*run.launcher, *s.args])}`"
+                  "", *(f"- {s.stack}: {s.description} — `{_command(run, s)}`"
                         for s in (res.baseline, res.candidate)), "",
                   f"Target: {cmp.metric} of {cmp.candidate} at least {cmp.min_reduction:.0%} "
                   f"lower, judged at the {verdict.rate_reason}.", "",
@@ -184,6 +184,10 @@ def report_markdown(results: list[ComparisonResult], run: RunConfig, command: st
             lines += ["", f"Profile of the slower side ({slower.stack}):", "", "```",
                       slower.profile.rstrip(), "```"]
     return "\n".join(lines) + "\n"
+
+
+def _command(run: RunConfig, side: SideResult) -> str:
+    return shlex.join([*run.launcher, *side.args, *run.stack_args])
 
 
 def _slower(res: ComparisonResult, verdict: Verdict) -> SideResult | None:
