@@ -4,13 +4,40 @@ from __future__ import annotations
 
 import sys
 
+from pdserve.index import PrefixIndex
+from pdserve.proto.v1 import common_pb2
 from pdserve.server import Service, make_server, run_main
+from prometheus_client import REGISTRY
+
 from services.kvd.config import KvdConfig
-from services.kvd.servicer import servicers
+from services.kvd.daemon import Kvd
+from services.kvd.servicer import KvdCollector, KvdServicer, servicers
+from services.kvd.transfer import net_device_for
 
 
 async def create_server(config: KvdConfig) -> Service:
-    return make_server(config.host, config.port, servicers())
+    servicer = KvdServicer(None, config.secret)  # type: ignore[arg-type]  # bound below
+    svc = make_server(config.host, config.port, servicers(servicer))
+    address = f"{config.host}:{svc.port}"
+    me = common_pb2.KvdEndpoint(node_id=config.node_id or config.instance_id or address,
+                                address=address)
+    index: PrefixIndex | None = None
+    if config.redis_url:
+        from pdserve.index import RedisPrefixIndex
+
+        index = RedisPrefixIndex(config.redis_url, config.index_prefix, config.index_ttl)
+    kvd = Kvd(config, me, index, net_device_for(config.ucx_host))
+    servicer.kvd = kvd
+    await kvd.start()  # before the server takes calls: the UCX worker must exist
+    collector = KvdCollector(kvd)
+    REGISTRY.register(collector)  # type: ignore[arg-type]
+
+    async def stop() -> None:
+        REGISTRY.unregister(collector)  # type: ignore[arg-type]
+        await kvd.stop()
+
+    svc.on_stop.append(stop)
+    return svc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,22 +1,137 @@
-"""gRPC edge of the kvd service: proto <-> dataclass conversion, then delegation."""
+"""gRPC edge of the kvd service: auth, proto <-> core conversion, errors as status codes."""
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import hmac
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
+import grpc
+from pdserve.kvd.layout import BlockLayout
 from pdserve.proto.v1 import kvd_pb2, kvd_pb2_grpc
-from pdserve.server import unimplemented_servicer
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-_WHY = "not implemented yet in this build (issue 4)"
+from services.kvd.daemon import Kvd
+from services.kvd.errors import KvdError
+from services.kvd.peers import SECRET_KEY
+
+R = TypeVar("R")
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
 
 
-def servicers() -> list[tuple[Any, Any, str]]:
+def _rpc(fn: Handler[R]) -> Handler[R]:
+    """Check the shared secret, then map KvdError to its status code."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: KvdServicer, request: Any, context: grpc.aio.ServicerContext) -> R:
+        if self.secret:
+            given = dict(context.invocation_metadata() or ()).get(SECRET_KEY, "")
+            if not hmac.compare_digest(str(given).encode(), self.secret.encode()):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                    f"metadata {SECRET_KEY}: missing or wrong shared secret")
+        try:
+            return await fn(self, request, context)
+        except KvdError as exc:
+            await context.abort(exc.code, exc.message)
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+class KvdServicer(kvd_pb2_grpc.KvdServicer):
+    def __init__(self, kvd: Kvd, secret: str) -> None:
+        self.kvd = kvd
+        self.secret = secret
+
+    @_rpc
+    async def Register(self, request: kvd_pb2.RegisterRequest,
+                       context: grpc.aio.ServicerContext) -> kvd_pb2.RegisterResponse:
+        lay = request.layout
+        try:
+            layout = BlockLayout(lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim,
+                                 lay.dtype, lay.model_fingerprint)
+        except ValueError as exc:
+            raise KvdError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        return self.kvd.register(layout)
+
+    @_rpc
+    async def Allocate(self, request: kvd_pb2.AllocateRequest,
+                       context: grpc.aio.ServicerContext) -> kvd_pb2.AllocateResponse:
+        pins = self.kvd.allocate(request.num_slots, request.lease_ms, request.client_id)
+        return kvd_pb2.AllocateResponse(pins=[kvd_pb2.Pin(slot=p.slot, pin_id=p.pin_id)
+                                              for p in pins])
+
+    @_rpc
+    async def Commit(self, request: kvd_pb2.CommitRequest,
+                     context: grpc.aio.ServicerContext) -> kvd_pb2.CommitResponse:
+        dest = request.destination if request.HasField("destination") else None
+        return await self.kvd.commit(request.entries, dest, request.release)
+
+    @_rpc
+    async def Lookup(self, request: kvd_pb2.LookupRequest,
+                     context: grpc.aio.ServicerContext) -> kvd_pb2.LookupResponse:
+        return kvd_pb2.LookupResponse(num_present=self.kvd.lookup(request.hashes))
+
+    @_rpc
+    async def Await(self, request: kvd_pb2.AwaitRequest,
+                    context: grpc.aio.ServicerContext) -> kvd_pb2.AwaitResponse:
+        remaining = context.time_remaining()
+        timeout = self.kvd.config.transfer_timeout if remaining is None else max(0.0, remaining)
+        # Finish a little before the caller's deadline so it gets our reason, not its own.
+        timeout = max(0.0, timeout - min(0.05, timeout / 10))
+        source = request.source if request.HasField("source") else None
+        pins = await self.kvd.await_blocks(request.blocks, source, request.lease_ms,
+                                           request.client_id, timeout)
+        return kvd_pb2.AwaitResponse(pins=[kvd_pb2.Pin(slot=p.slot, pin_id=p.pin_id)
+                                           for p in pins])
+
+    @_rpc
+    async def Release(self, request: kvd_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> kvd_pb2.ReleaseResponse:
+        return kvd_pb2.ReleaseResponse(num_released=self.kvd.release(request.pin_ids))
+
+    @_rpc
+    async def Stats(self, request: kvd_pb2.KvdStatsRequest,
+                    context: grpc.aio.ServicerContext) -> kvd_pb2.KvdStats:
+        return self.kvd.stats()
+
+    @_rpc
+    async def Transfer(self, request: kvd_pb2.TransferRequest,
+                       context: grpc.aio.ServicerContext) -> kvd_pb2.TransferResponse:
+        return await self.kvd.transfer(request)
+
+
+_COUNTERS = ("bytes_in", "bytes_out", "num_transfers", "num_errors", "num_evictions",
+             "num_checksum_failures", "num_refetches", "num_lease_expiries")
+_GAUGES = ("num_slots", "slots_free", "slots_present", "slots_pinned", "slots_in_flight",
+           "slots_writing")
+
+
+class KvdCollector:
+    """Prometheus view of ``Kvd.stats()``, read at scrape time (no second set of counters)."""
+
+    def __init__(self, kvd: Kvd) -> None:
+        self.kvd = kvd
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.kvd.stats()
+        node = stats.node_id
+        for name in _COUNTERS:
+            c = CounterMetricFamily(f"pdserve_kvd_{name}", f"kvd {name}", labels=["node"])
+            c.add_metric([node], getattr(stats, name))
+            yield c
+        for name in _GAUGES:
+            g = GaugeMetricFamily(f"pdserve_kvd_{name}", f"kvd {name}", labels=["node"])
+            g.add_metric([node], getattr(stats, name))
+            yield g
+        g = GaugeMetricFamily("pdserve_kvd_index_available", "Redis index reachable",
+                              labels=["node"])
+        g.add_metric([node], float(stats.index_available))
+        yield g
+
+
+def servicers(servicer: KvdServicer) -> list[tuple[Any, Any, str]]:
     """(add_fn, servicer, full service name) for every service this process serves."""
-    out = []
-    for name in ['Kvd']:
-        desc = kvd_pb2.DESCRIPTOR.services_by_name[name]
-        methods = [m.name for m in desc.methods]
-        base = getattr(kvd_pb2_grpc, f"{name}Servicer")
-        add = getattr(kvd_pb2_grpc, f"add_{name}Servicer_to_server")
-        out.append((add, unimplemented_servicer(base, methods, _WHY), desc.full_name))
-    return out
+    name = kvd_pb2.DESCRIPTOR.services_by_name["Kvd"].full_name
+    return [(kvd_pb2_grpc.add_KvdServicer_to_server, servicer, name)]

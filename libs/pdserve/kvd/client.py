@@ -1,0 +1,189 @@
+"""Engine-side client of the node's kvd: maps the pool segment, exposes slots as tensors without
+copying, and wraps the control calls (grpc.aio). Used by prefill and decode.
+
+Export (prefill)::
+
+    client = KvdClient("127.0.0.1:50081", client_id="prefill-0")
+    await client.register(BlockLayout(num_layers, block_size, kv_heads, head_dim, "bfloat16"))
+    pins = await client.allocate(len(blocks))
+    for pin, block in zip(pins, blocks):
+        client.slot_view(pin.slot).copy_(block)          # [layers, 2, bs, kvh, hd], in place
+    await client.commit([CommitEntry(p, h) for p, h in zip(pins, hashes)], destination=decode_kvd)
+
+Import (decode)::
+
+    pins = await client.await_blocks(block_refs, source=prefill_kvd, timeout=5.0)
+    for pin in pins:
+        paged_cache.scatter(client.slot_view(pin.slot))   # read while pinned
+    await client.release([p.pin_id for p in pins])
+
+A slot's bytes may be read or written only while its pin is held: kvd never reuses a pinned
+slot, and a pin expires with its lease (``lease_ms``; the kvd default if 0). Failures are
+``grpc.RpcError`` with the status code and a message naming the field; bad local arguments
+are ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import grpc
+import torch
+
+from pdserve.hashing import block_checksum
+from pdserve.kvd import layout as L
+from pdserve.proto.v1 import common_pb2, kvd_pb2, kvd_pb2_grpc
+from pdserve.server import GRPC_OPTIONS
+
+SECRET_KEY = "x-pdserve-secret"
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Pin:
+    slot: int
+    pin_id: int
+
+
+@dataclass(frozen=True)
+class CommitEntry:
+    """A written slot to publish as block ``hash``; ``checksum`` None = computed here (xxh3)."""
+
+    pin: Pin
+    hash: bytes
+    checksum: int | None = None
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    num_duplicates: int
+    num_pushed: int
+    push_started: bool
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    shm_name: str
+    slot_bytes: int
+    num_slots: int
+    node_id: str
+    epoch: int
+    data_offset: int
+    max_batch_blocks: int
+
+
+def _pins(pb: Sequence[kvd_pb2.Pin]) -> list[Pin]:
+    return [Pin(p.slot, p.pin_id) for p in pb]
+
+
+class KvdClient:
+    def __init__(self, address: str, client_id: str, secret: str = "",
+                 rpc_timeout: float = 10.0) -> None:
+        if not address:
+            raise ValueError("address: the kvd gRPC address host:port must not be empty")
+        self.client_id = client_id
+        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = kvd_pb2_grpc.KvdStub(self._channel)
+        self._md = ((SECRET_KEY, secret),) if secret else ()
+        self._timeout = rpc_timeout
+        self._shm: shared_memory.SharedMemory | None = None
+        self.layout: L.BlockLayout | None = None
+        self.info: PoolInfo | None = None
+
+    async def register(self, layout: L.BlockLayout) -> PoolInfo:
+        """Announce the block layout and map the pool segment."""
+        req = kvd_pb2.RegisterRequest(client_id=self.client_id, layout=kvd_pb2.BlockLayout(
+            num_layers=layout.num_layers, block_size=layout.block_size,
+            num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
+            model_fingerprint=layout.model_fingerprint))
+        r = await self._stub.Register(req, timeout=self._timeout, metadata=self._md)
+        shm = shared_memory.SharedMemory(r.shm_name)
+        # Python < 3.13 tracks attached segments too and would unlink kvd's pool at our exit.
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        slot_bytes, num_slots, _ = L.read_header(shm.buf)
+        if (slot_bytes, num_slots) != (r.slot_bytes, r.num_slots):
+            raise ValueError(f"shm {r.shm_name}: header says {num_slots} x {slot_bytes} bytes, "
+                             f"kvd said {r.num_slots} x {r.slot_bytes}")
+        self._shm, self.layout = shm, layout
+        self.info = PoolInfo(r.shm_name, r.slot_bytes, r.num_slots, r.node_id, r.epoch,
+                             r.data_offset, r.max_batch_blocks)
+        return self.info
+
+    def _mapped(self, slot: int) -> tuple[shared_memory.SharedMemory, PoolInfo, int]:
+        if self._shm is None or self.info is None:
+            raise ValueError("slot: register() first; the pool is not mapped")
+        if not 0 <= slot < self.info.num_slots:
+            raise ValueError(f"slot: slot {slot} out of range 0..{self.info.num_slots - 1}")
+        return self._shm, self.info, self.info.data_offset + slot * self.info.slot_bytes
+
+    def slot_view(self, slot: int) -> torch.Tensor:
+        """The slot as a ``[layers, 2, block_size, kv_heads, head_dim]`` tensor (no copy)."""
+        shm, info, offset = self._mapped(slot)
+        assert self.layout is not None
+        dtype = _TORCH_DTYPES[self.layout.dtype]
+        n = info.slot_bytes // L.DTYPE_BYTES[self.layout.dtype]
+        flat = torch.frombuffer(shm.buf, dtype=dtype, count=n, offset=offset)
+        return flat.view(self.layout.shape)
+
+    def slot_memory(self, slot: int) -> memoryview:
+        """The slot's raw bytes (for checksums and byte-level copies)."""
+        shm, info, offset = self._mapped(slot)
+        return shm.buf[offset:offset + info.slot_bytes]
+
+    async def allocate(self, n: int, lease_ms: int = 0) -> list[Pin]:
+        r = await self._stub.Allocate(
+            kvd_pb2.AllocateRequest(num_slots=n, lease_ms=lease_ms, client_id=self.client_id),
+            timeout=self._timeout, metadata=self._md)
+        return _pins(r.pins)
+
+    async def commit(self, entries: Sequence[CommitEntry],
+                     destination: common_pb2.KvdEndpoint | None = None,
+                     release: bool = True) -> CommitResult:
+        """Publish written slots; with ``destination``, push them there at once."""
+        pb = []
+        for e in entries:
+            checksum = e.checksum
+            if checksum is None:
+                checksum = block_checksum(self.slot_memory(e.pin.slot))
+            pb.append(kvd_pb2.CommitEntry(slot=e.pin.slot, hash=e.hash, checksum=checksum,
+                                          pin_id=e.pin.pin_id))
+        req = kvd_pb2.CommitRequest(entries=pb, destination=destination, release=release)
+        r = await self._stub.Commit(req, timeout=self._timeout, metadata=self._md)
+        return CommitResult(r.num_duplicates, r.num_pushed, r.push_started, tuple(r.slots))
+
+    async def lookup(self, hashes: Sequence[bytes]) -> int:
+        r = await self._stub.Lookup(kvd_pb2.LookupRequest(hashes=hashes),
+                                    timeout=self._timeout, metadata=self._md)
+        return int(r.num_present)
+
+    async def await_blocks(self, block_refs: Sequence[common_pb2.BlockRef],
+                           source: common_pb2.KvdEndpoint | None = None,
+                           timeout: float = 30.0, lease_ms: int = 0) -> list[Pin]:
+        """Pins of ``block_refs``' slots once all are present here (the call's deadline is
+        ``timeout``)."""
+        req = kvd_pb2.AwaitRequest(blocks=block_refs, source=source, lease_ms=lease_ms,
+                                   client_id=self.client_id)
+        r = await self._stub.Await(req, timeout=timeout, metadata=self._md)
+        return _pins(r.pins)
+
+    async def release(self, pin_ids: Sequence[int]) -> int:
+        r = await self._stub.Release(kvd_pb2.ReleaseRequest(pin_ids=pin_ids),
+                                     timeout=self._timeout, metadata=self._md)
+        return int(r.num_released)
+
+    async def stats(self) -> kvd_pb2.KvdStats:
+        return await self._stub.Stats(kvd_pb2.KvdStatsRequest(), timeout=self._timeout,
+                                      metadata=self._md)
+
+    async def close(self) -> None:
+        """Close the channel and unmap the segment (kept mapped while tensor views live)."""
+        await self._channel.close()
+        if self._shm is not None:
+            # A live slot_view keeps the mapping; it then goes with the process.
+            with contextlib.suppress(BufferError):
+                self._shm.close()
+            self._shm = None

@@ -1,0 +1,319 @@
+"""The kvd core: the shared-memory pool, its control operations, and the Await logic.
+
+An engine registers its block layout (fixing the slot size), allocates slots, writes blocks
+into the mapped segment, and commits them under their hashes, optionally naming a destination
+kvd so they are pushed at once (``shipping`` has the transfer life cycle). On the other node
+an engine awaits the hashes: present ones are pinned, in-flight ones waited for, the rest
+pulled from the given or indexed source; on any failure every pin the Await took is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from multiprocessing import shared_memory
+
+import grpc
+import numpy as np
+from pdserve.hashing import HASH_LEN, block_checksum
+from pdserve.index import IndexUnavailable, NodeRecord, PrefixIndex
+from pdserve.kvd import layout as L
+from pdserve.proto.v1 import common_pb2, kvd_pb2
+
+from services.kvd.config import KvdConfig
+from services.kvd.errors import KvdError, invalid
+from services.kvd.index_sync import IndexSync
+from services.kvd.peers import Peers
+from services.kvd.pool import Pin, Pool, SlotState
+from services.kvd.shipping import Shipper
+from services.kvd.transfer import Faults, UcxTransport
+
+log = logging.getLogger(__name__)
+
+
+class Kvd:
+    def __init__(self, config: KvdConfig, me: common_pb2.KvdEndpoint,
+                 index: PrefixIndex | None, net_devices: str) -> None:
+        self.config = config
+        self.me = me
+        self.epoch = int(time.time() * 1000)  # increases across restarts without shared state
+        self._index = index
+        self.transport = UcxTransport(
+            config.ucx_tls, net_devices, config.max_message_kib * 1024,
+            Faults(config.fault_corrupt_every, config.fault_send_delay_ms),
+            config.ucx_error_handling)
+        self.peers = Peers(config.secret)
+        self.sync = IndexSync(index, self._record, self._present, config.heartbeat,
+                              config.index_ttl)
+        self.layout: L.BlockLayout | None = None
+        self.shipper: Shipper | None = None
+        self._shm: shared_memory.SharedMemory | None = None
+        self._lease_task: asyncio.Task[None] | None = None
+
+    # -- life --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.transport.start()
+        self.sync.start()
+        self._lease_task = asyncio.get_running_loop().create_task(self._expire_leases())
+
+    async def stop(self) -> None:
+        if self._lease_task is not None:
+            self._lease_task.cancel()
+        if self.shipper is not None:
+            await self.shipper.stop()
+        await self.transport.stop()
+        await self.sync.stop()
+        await self.peers.close()
+        if self._shm is not None:
+            self._shm.close()
+            self._shm.unlink()
+            self._shm = None
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            if self.shipper is not None:
+                self.shipper.pool.expire()
+
+    def _record(self) -> NodeRecord:
+        pool = self.shipper.pool if self.shipper else None
+        return NodeRecord(self.me.node_id, self.me.address, self.transport.address,
+                          pool.num_slots if pool else 0, self.epoch,
+                          self.shipper.slot_bytes if self.shipper else 0)
+
+    def _present(self) -> list[bytes]:
+        return list(self.shipper.pool.by_hash) if self.shipper else []
+
+    # -- control -----------------------------------------------------------------------------
+    def register(self, layout: L.BlockLayout) -> kvd_pb2.RegisterResponse:
+        """Fix the slot size on the first registration; later ones must match it."""
+        if self.layout is None:
+            self._create_pool(layout)
+        elif layout.block_bytes != self.layout.block_bytes:
+            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"layout: blocks of {layout.block_bytes} bytes, but this pool's slots "
+                           f"hold {self.layout.block_bytes} (first registered layout)")
+        assert self._shm is not None and self.shipper is not None
+        return kvd_pb2.RegisterResponse(
+            shm_name=self._shm.name, slot_bytes=self.shipper.slot_bytes,
+            num_slots=self.shipper.pool.num_slots, node_id=self.me.node_id, epoch=self.epoch,
+            data_offset=L.HEADER_BYTES, max_batch_blocks=self.config.max_batch_blocks)
+
+    def _create_pool(self, layout: L.BlockLayout) -> None:
+        slot_bytes = layout.block_bytes
+        num_slots = self.config.capacity_mib * 1024 * 1024 // slot_bytes
+        if num_slots < 1:
+            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"layout: one block ({slot_bytes} bytes) exceeds --capacity-mib "
+                           f"{self.config.capacity_mib}")
+        safe = "".join(c if c.isalnum() else "-" for c in self.me.node_id)[:40]
+        self._shm = shared_memory.SharedMemory(f"pdserve-kvd-{safe}-{self.epoch}", create=True,
+                                               size=L.segment_bytes(slot_bytes, num_slots))
+        L.write_header(self._shm.buf, slot_bytes, num_slots, self.epoch)
+        arr = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
+        self.transport.attach(arr, L.HEADER_BYTES, slot_bytes)
+        self.layout = layout
+        self.shipper = Shipper(Pool(num_slots, self.epoch), arr, L.HEADER_BYTES, slot_bytes,
+                               self.transport, self.peers, self.sync, self.me,
+                               self.config.transfer_timeout)
+        log.info("pool created", extra={"fields": {"shm": self._shm.name, "slots": num_slots,
+                                                    "slot_bytes": slot_bytes}})
+
+    def _ship(self) -> Shipper:
+        if self.shipper is None:
+            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "no block layout registered yet: an engine must call Register first")
+        return self.shipper
+
+    def _check_batch(self, n: int, field: str) -> None:
+        if n > self.config.max_batch_blocks:
+            raise invalid(f"{field}: {n} items, more than --max-batch-blocks "
+                          f"{self.config.max_batch_blocks}")
+
+    @staticmethod
+    def _check_hash(h: bytes, field: str) -> None:
+        if len(h) != HASH_LEN:
+            raise invalid(f"{field}: a block hash is {HASH_LEN} bytes, got {len(h)}")
+
+    def _lease(self, lease_ms: int) -> float:
+        return lease_ms / 1000 if lease_ms else self.config.lease_s
+
+    def allocate(self, n: int, lease_ms: int, client_id: str) -> list[Pin]:
+        ship = self._ship()
+        if n < 1:
+            raise invalid(f"num_slots: must be >= 1, got {n}")
+        self._check_batch(n, "num_slots")
+        pins = ship.pool.allocate(n, client_id, self._lease(lease_ms))
+        self._flush_evictions()
+        return pins
+
+    def _flush_evictions(self) -> None:
+        pool = self._ship().pool
+        self.sync.removed(pool.counters.evicted)
+        pool.counters.evicted = []
+
+    async def commit(self, entries: Sequence[kvd_pb2.CommitEntry],
+                     destination: common_pb2.KvdEndpoint | None,
+                     release: bool) -> kvd_pb2.CommitResponse:
+        ship = self._ship()
+        pool = ship.pool
+        self._check_batch(len(entries), "entries")
+        for i, e in enumerate(entries):  # validate everything before changing anything
+            self._check_hash(e.hash, f"entries[{i}].hash")
+            s = pool.check_slot(e.slot, f"entries[{i}].slot")
+            pin = pool.pins.get(e.pin_id)
+            if pin is None or pin.slot != e.slot or s.state != SlotState.WRITING:
+                raise invalid(f"entries[{i}].pin_id: {e.pin_id} is not a live Allocate pin on "
+                              f"slot {e.slot}")
+        if len({e.slot for e in entries}) != len(entries):
+            raise invalid("entries: a slot appears twice")
+        slots, new = [], []
+        for i, e in enumerate(entries):
+            checksum = e.checksum or block_checksum(ship.slot_view(e.slot))
+            slot = pool.commit(e.slot, e.pin_id, e.hash, checksum, f"entries[{i}]")
+            if slot == e.slot:
+                new.append(e.hash)
+            slots.append(slot)
+            if release:
+                pool.release(e.pin_id)
+        self.sync.added(new)
+        resp = kvd_pb2.CommitResponse(num_duplicates=len(entries) - len(new), slots=slots)
+        if destination is not None and destination.address:
+            pushed = await ship.push(destination, list(dict.fromkeys(slots)))
+            resp.push_started, resp.num_pushed = pushed is not None, pushed or 0
+        return resp
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        self._check_batch(len(hashes), "hashes")
+        for i, h in enumerate(hashes):
+            self._check_hash(h, f"hashes[{i}]")
+        return self._ship().pool.lookup(hashes)
+
+    def release(self, pin_ids: Sequence[int]) -> int:
+        ship = self._ship()
+        self._check_batch(len(pin_ids), "pin_ids")
+        unknown = [p for p in pin_ids if p not in ship.pool.pins]
+        if unknown:
+            raise invalid(f"pin_ids: unknown or expired pin {unknown[0]}")
+        return sum(ship.pool.release(p) for p in pin_ids)
+
+    # -- await -------------------------------------------------------------------------------
+    async def await_blocks(self, refs: Sequence[common_pb2.BlockRef],
+                           source: common_pb2.KvdEndpoint | None, lease_ms: int,
+                           client_id: str, timeout: float) -> list[Pin]:
+        ship = self._ship()
+        self._check_batch(len(refs), "blocks")
+        for i, r in enumerate(refs):
+            self._check_hash(r.hash, f"blocks[{i}].hash")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pins: dict[int, Pin] = {}
+        pulled = False
+        try:
+            while True:
+                missing = self._pin_present(ship, refs, pins, client_id, self._lease(lease_ms))
+                if not missing:
+                    return [pins[i] for i in range(len(refs))]
+                to_pull = [i for i in missing if refs[i].hash not in ship.inbound]
+                if to_pull and not pulled:
+                    src = await self._source_for(refs, to_pull, source)
+                    ship.start_pull(src, [refs[i].hash for i in to_pull],
+                                    [refs[i].checksum for i in to_pull])
+                    pulled = True
+                    continue
+                if to_pull:
+                    raise KvdError(grpc.StatusCode.NOT_FOUND, f"blocks[{to_pull[0]}]: block "
+                                   f"{refs[to_pull[0]].hash.hex()[:16]} was evicted while awaited")
+                waiting = [ship.inbound[refs[i].hash] for i in missing]
+                done, _ = await asyncio.wait(waiting, timeout=deadline - loop.time(),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    raise KvdError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"blocks: {len(missing)} of {len(refs)} not present within "
+                                   f"the deadline ({timeout:.3g}s)")
+                for fut in done:
+                    fut.result()  # raises the transfer's KvdError
+        except BaseException:
+            for pin in pins.values():
+                ship.pool.release(pin.pin_id)
+            raise
+
+    @staticmethod
+    def _pin_present(ship: Shipper, refs: Sequence[common_pb2.BlockRef], pins: dict[int, Pin],
+                     client_id: str, lease_s: float) -> list[int]:
+        missing = []
+        for i, r in enumerate(refs):
+            if i in pins:
+                continue
+            pin = ship.pool.pin_present(r.hash, client_id, lease_s)
+            if pin is None:
+                missing.append(i)
+                continue
+            pins[i] = pin
+            have = ship.pool.slots[pin.slot].checksum
+            if r.checksum and r.checksum != have:
+                raise KvdError(grpc.StatusCode.DATA_LOSS, f"blocks[{i}].checksum: "
+                               f"{r.checksum:#x} expected, the block here has {have:#x}")
+        return missing
+
+    async def _source_for(self, refs: Sequence[common_pb2.BlockRef], to_pull: list[int],
+                          source: common_pb2.KvdEndpoint | None) -> common_pb2.KvdEndpoint:
+        if source is not None and source.address:
+            return common_pb2.KvdEndpoint(node_id=source.node_id or source.address,
+                                          address=source.address)
+        not_found = KvdError(grpc.StatusCode.NOT_FOUND, f"blocks[{to_pull[0]}]: block "
+                             f"{refs[to_pull[0]].hash.hex()[:16]} is not here, not in flight, "
+                             "and no source was given or found in the index")
+        if self._index is None:
+            raise not_found
+        try:
+            counts = await self._index.lookup([r.hash for r in refs])
+            records = {n.node_id: n for n in await self._index.nodes()}
+        except IndexUnavailable as exc:
+            raise not_found from exc
+        holders = [(c, n) for n, c in counts.items()
+                   if n != self.me.node_id and n in records and c > max(to_pull)]
+        if not holders:
+            raise not_found
+        best = records[max(holders)[1]]
+        return common_pb2.KvdEndpoint(node_id=best.node_id, address=best.address)
+
+    # -- peers and stats ---------------------------------------------------------------------
+    async def transfer(self, req: kvd_pb2.TransferRequest) -> kvd_pb2.TransferResponse:
+        ship = self._ship()
+        self._check_batch(len(req.blocks), "blocks")
+        for i, r in enumerate(req.blocks):
+            self._check_hash(r.hash, f"blocks[{i}].hash")
+        if req.slot_bytes != ship.slot_bytes:
+            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"slot_bytes: peer blocks are {req.slot_bytes} bytes, ours "
+                           f"{ship.slot_bytes}")
+        if len(req.slots) != len(req.blocks):
+            raise invalid(f"slots: {len(req.slots)} slots for {len(req.blocks)} blocks")
+        if not req.peer.node_id or not req.peer.address or not req.ucx_address:
+            raise invalid("peer: node_id, address and ucx_address are required")
+        if req.direction == kvd_pb2.TransferRequest.DIRECTION_PUSH:
+            return await ship.serve_push(req)
+        if req.direction == kvd_pb2.TransferRequest.DIRECTION_PULL:
+            return ship.serve_pull(req)
+        raise invalid("direction: must be PUSH or PULL")
+
+    def stats(self) -> kvd_pb2.KvdStats:
+        out = kvd_pb2.KvdStats(node_id=self.me.node_id, epoch=self.epoch,
+                               index_available=self.sync.available)
+        if self.shipper is None:
+            return out
+        pool, c = self.shipper.pool, self.shipper.counters
+        out.num_slots, out.slot_bytes = pool.num_slots, self.shipper.slot_bytes
+        out.slots_free, out.slots_pinned = pool.num_free, pool.num_pinned
+        out.slots_present = pool.count(SlotState.PRESENT)
+        out.slots_in_flight = pool.count(SlotState.IN_FLIGHT)
+        out.slots_writing = pool.count(SlotState.WRITING)
+        out.bytes_in, out.bytes_out, out.num_transfers = c.bytes_in, c.bytes_out, c.num_transfers
+        out.num_errors, out.num_checksum_failures = c.num_errors, c.num_checksum_failures
+        out.num_refetches = c.num_refetches
+        out.num_evictions = pool.counters.num_evictions
+        out.num_lease_expiries = pool.counters.num_lease_expiries
+        return out

@@ -1,0 +1,36 @@
+"""gRPC channels to other kvds (cached per address), with the shared secret on every call."""
+
+from __future__ import annotations
+
+import grpc
+from pdserve.proto.v1 import kvd_pb2_grpc
+from pdserve.server import GRPC_OPTIONS
+
+SECRET_KEY = "x-pdserve-secret"
+_DOWN = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+
+
+class Peers:
+    """Stubs to peer kvds; ``is_down`` is the cheap liveness probe the transfer watchdogs use."""
+
+    def __init__(self, secret: str) -> None:
+        self.metadata = ((SECRET_KEY, secret),) if secret else ()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = ch
+        return ch
+
+    def stub(self, address: str) -> kvd_pb2_grpc.KvdStub:
+        return kvd_pb2_grpc.KvdStub(self._channel(address))
+
+    def is_down(self, address: str) -> bool:
+        return self._channel(address).get_state(try_to_connect=True) in _DOWN
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()

@@ -1,0 +1,254 @@
+"""The UCX data plane: kvd-to-kvd messages straight between pool segments (ucxx).
+
+Control goes over gRPC (``Transfer``); only block bytes travel here. A transfer is a list of
+``Message``s, each a run of blocks contiguous in BOTH pools, so one UCX message moves it from
+the sender's slots into the receiver's slots with no staging copy. Both sides compute the same
+plan from the two slot lists (``plan_messages``) and tag message ``i`` of transfer ``t`` with
+``message_tag(t, i)``; the receiver posts its receives on its endpoint to the sender.
+
+Endpoints are made from worker addresses exchanged over the (authenticated) Transfer RPC and
+cached per peer; no sockaddr listener is opened, because ucxx's binds every interface.
+
+Why UCX endpoint error handling is off by default: on one host UCX then keeps its shared-memory
+transports (with it on, only TCP qualifies: ~5x slower here). The CMA transport is excluded by
+the default ``--ucx-tls ^cma`` because a CMA read from a peer that died aborts the process;
+posix/sysv shared memory does not. A lost peer is detected by the caller's watchdog instead
+(peer gRPC channel down, or no progress before the transfer deadline), which aborts the
+endpoint: that cancels every receive posted on it, so no late write can land in a reused slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class TransportError(Exception):
+    """A UCX send or receive failed or was cancelled (peer lost, endpoint aborted)."""
+
+TAG_INDEX_BITS = 20
+MAX_MESSAGES = 1 << TAG_INDEX_BITS
+
+
+@dataclass(frozen=True)
+class Faults:
+    """TEST HOOKS ONLY (set by tests through --fault-* flags; never in production).
+
+    corrupt_every: flip one byte of every Nth block this kvd sends (a copy is sent; the pool
+    is untouched). send_delay_ms: sleep before sending each transfer's bytes.
+    """
+
+    corrupt_every: int = 0
+    send_delay_ms: int = 0
+
+
+@dataclass(frozen=True)
+class Message:
+    """``num_blocks`` blocks from sender slot ``src_slot`` on to receiver slot ``dst_slot`` on."""
+
+    src_slot: int
+    dst_slot: int
+    num_blocks: int
+
+
+def plan_messages(src_slots: Sequence[int], dst_slots: Sequence[int], slot_bytes: int,
+                  max_message_bytes: int) -> list[Message]:
+    """Cut a transfer into messages: maximal runs contiguous on both sides, capped in size."""
+    if len(src_slots) != len(dst_slots):
+        raise ValueError("src_slots and dst_slots differ in length")
+    cap = max(1, max_message_bytes // slot_bytes)
+    out: list[Message] = []
+    for s, d in zip(src_slots, dst_slots, strict=True):
+        last = out[-1] if out else None
+        if (last is not None and last.num_blocks < cap and s == last.src_slot + last.num_blocks
+                and d == last.dst_slot + last.num_blocks):
+            out[-1] = Message(last.src_slot, last.dst_slot, last.num_blocks + 1)
+        else:
+            out.append(Message(s, d, 1))
+    if len(out) > MAX_MESSAGES:
+        raise ValueError(f"a transfer may have at most {MAX_MESSAGES} messages")
+    return out
+
+
+def message_tag(transfer_id: int, index: int) -> int:
+    return ((transfer_id & ((1 << (64 - TAG_INDEX_BITS)) - 1)) << TAG_INDEX_BITS) | index
+
+
+class UcxTransport:
+    """One ucxx worker, the pool as a byte array, endpoints per peer, and a busy poller."""
+
+    def __init__(self, tls: str, net_devices: str, max_message_bytes: int, faults: Faults,
+                 error_handling: bool = False) -> None:
+        self._pool = np.zeros(0, np.uint8)
+        self._data_offset = 0
+        self._slot_bytes = 1
+        self._tls = tls
+        self._net_devices = net_devices
+        self._max_message_bytes = max_message_bytes
+        self._faults = faults
+        self._error_handling = error_handling
+        self._eps: dict[str, tuple[bytes, Any]] = {}  # node_id -> (worker address, endpoint)
+        self._ep_locks: dict[str, asyncio.Lock] = {}
+        self._num_active = 0
+        self._wake = asyncio.Event()
+        self._poller: asyncio.Task[None] | None = None
+        self._num_sent_blocks = 0
+        self.address = b""
+
+    def attach(self, pool: np.ndarray, data_offset: int, slot_bytes: int) -> None:
+        """Point the data plane at the pool segment (once its slot size is known)."""
+        self._pool, self._data_offset, self._slot_bytes = pool, data_offset, slot_bytes
+
+    def start(self) -> None:
+        # UCX reads its configuration at init; these must be set before ucxx is imported.
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        os.environ.setdefault("UCX_RNDV_FRAG_MEM_TYPE", "host")
+        import ucxx
+
+        options = {"TLS": self._tls} if self._tls else {}
+        if self._net_devices:
+            options["NET_DEVICES"] = self._net_devices
+        ucxx.init(options=options, progress_mode="blocking")
+        self._ucxx = ucxx
+        ex = ucxx.exceptions
+        self._errors: tuple[type[BaseException], ...] = (ex.UCXError, ex.UCXCanceled,
+                                                         ex.UCXCloseError)
+        self.address = ucxx.get_worker_address().tobytes()
+        self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        for node_id in list(self._eps):
+            self.drop(node_id)
+
+    async def _poll(self) -> None:
+        """Spin the worker while transfers are active (blocking mode alone adds wake-up
+        latency of milliseconds); back off to 1 ms sleeps while a peer is silent."""
+        worker = self._ucxx.core._get_ctx().worker
+        idle = 0
+        while True:
+            if self._num_active == 0:
+                self._wake.clear()
+                await self._wake.wait()
+            if worker.progress_once():
+                idle = 0
+                await asyncio.sleep(0)
+            else:
+                idle += 1
+                await asyncio.sleep(0 if idle < 2000 else 0.001)
+
+    def _begin(self) -> None:
+        self._num_active += 1
+        self._wake.set()
+
+    def _end(self) -> None:
+        self._num_active -= 1
+
+    def plan(self, src_slots: Sequence[int], dst_slots: Sequence[int]) -> list[Message]:
+        return plan_messages(src_slots, dst_slots, self._slot_bytes, self._max_message_bytes)
+
+    async def endpoint(self, node_id: str, address: bytes) -> Any:
+        """The cached endpoint to ``node_id`` (re-made when its worker address changed)."""
+        lock = self._ep_locks.setdefault(node_id, asyncio.Lock())
+        async with lock:
+            cached = self._eps.get(node_id)
+            if cached is not None and cached[0] == address:
+                return cached[1]
+            if cached is not None:
+                self.drop(node_id)
+            try:
+                addr = self._ucxx.get_ucx_address_from_buffer(address)
+                ep = await self._ucxx.create_endpoint_from_worker_address(
+                    addr, endpoint_error_handling=self._error_handling)
+            except self._errors as exc:
+                raise TransportError(f"cannot reach {node_id}: {exc}") from exc
+            self._eps[node_id] = (address, ep)
+            return ep
+
+    def drop(self, node_id: str) -> None:
+        """Abort the endpoint to ``node_id``: every send/receive posted on it is cancelled."""
+        cached = self._eps.pop(node_id, None)
+        if cached is not None:
+            cached[1].abort()
+
+    def _view(self, slot: int, num_blocks: int) -> np.ndarray:
+        start = self._data_offset + slot * self._slot_bytes
+        return self._pool[start:start + num_blocks * self._slot_bytes]
+
+    def _outgoing(self, m: Message) -> np.ndarray:
+        view = self._view(m.src_slot, m.num_blocks)
+        n = self._faults.corrupt_every
+        first = self._num_sent_blocks
+        self._num_sent_blocks += m.num_blocks
+        if n <= 0:
+            return view
+        bad = [i for i in range(m.num_blocks) if (first + i + 1) % n == 0]
+        if not bad:
+            return view
+        copy = view.copy()  # test hook: corrupt in transit, never in the pool
+        for i in bad:
+            copy[i * self._slot_bytes] ^= 0xFF
+        return copy
+
+    async def send(self, ep: Any, transfer_id: int, messages: Sequence[Message]) -> None:
+        """Send every message (all posted at once, so UCX pipelines them)."""
+        self._begin()
+        try:
+            if self._faults.send_delay_ms:
+                await asyncio.sleep(self._faults.send_delay_ms / 1000)
+            await asyncio.gather(*[
+                ep.send(self._outgoing(m), tag=message_tag(transfer_id, i), force_tag=True)
+                for i, m in enumerate(messages)])
+        except self._errors as exc:
+            raise TransportError(f"send failed: {exc}") from exc
+        finally:
+            self._end()
+
+    def post_receives(self, ep: Any, transfer_id: int,
+                      messages: Sequence[Message]) -> list[asyncio.Task[int]]:
+        """One task per message, each returning its index once the bytes are in the pool."""
+
+        async def one(i: int, m: Message) -> int:
+            self._begin()
+            try:
+                await ep.recv(self._view(m.dst_slot, m.num_blocks),
+                              tag=message_tag(transfer_id, i), force_tag=True)
+            except self._errors as exc:
+                raise TransportError(f"receive failed: {exc}") from exc
+            finally:
+                self._end()
+            return i
+
+        return [asyncio.create_task(one(i, m)) for i, m in enumerate(messages)]
+
+
+def net_device_for(host: str) -> str:
+    """The network interface that carries ``host`` (UCX_NET_DEVICES), so UCX's TCP transport
+    listens only there; "" (every interface) for an empty or wildcard host."""
+    if host in ("", "0.0.0.0", "::"):
+        return ""
+    ip = socket.gethostbyname(host)
+    if ip.startswith("127."):
+        return "lo"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                  struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == ip:
+                return name
+    raise ValueError(f"--ucx-host: no network interface has address {host} ({ip})")
