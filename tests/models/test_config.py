@@ -24,29 +24,40 @@ LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, {"rope_theta": 1e6}),
 ])
 def test_both_rope_dialects_parse_alike(new: dict, old: dict) -> None:
-    assert parse_rope(new, "LlamaForCausalLM") == parse_rope(old, "LlamaForCausalLM")
+    assert parse_rope(new) == parse_rope(old)
 
 
 def test_default_theta_follows_architecture() -> None:
-    assert parse_rope({}, "MixtralForCausalLM").theta == 1e6
-    assert parse_rope({}, "LlamaForCausalLM").theta == 1e4
+    base = {"vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "intermediate_size": 8, "num_local_experts": 2, "num_experts_per_tok": 1}
+    thetas = {arch: parse_hf_config({**base, "architectures": [arch]}, dtype=torch.float32,
+                                    eos_token_ids=(), fingerprint="x").rope.theta
+              for arch in ("MixtralForCausalLM", "LlamaForCausalLM")}
+    assert thetas == {"MixtralForCausalLM": 1e6, "LlamaForCausalLM": 1e4}
 
 
 @pytest.mark.parametrize("rope_parameters", [
     {"rope_type": "llama3", "rope_theta": 5e5, **LLAMA3},
     {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0},
     {"rope_type": "default", "rope_theta": 1e4},
+    {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+     "original_max_position_embeddings": 4096},
+    {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "beta_fast": 16.0,
+     "original_max_position_embeddings": 64, "truncate": False},
 ])
 def test_inv_freq_matches_transformers(rope_parameters: dict) -> None:
     cfg = transformers.LlamaConfig(hidden_size=128, num_attention_heads=2,
                                    rope_parameters=dict(rope_parameters))
     kind = rope_parameters["rope_type"]
+    scaling = 1.0
     if kind == "default":
         expected = 1.0 / (1e4 ** (torch.arange(0, 64, 2).float() / 64))
     else:
-        expected, _ = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
-    ours = parse_rope({"rope_parameters": rope_parameters}, "LlamaForCausalLM").inv_freq(64)
-    torch.testing.assert_close(ours, expected.float(), atol=0, rtol=1e-6)
+        expected, scaling = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+    rope = parse_rope({"rope_parameters": rope_parameters})
+    torch.testing.assert_close(rope.inv_freq(64), expected.float(), atol=0, rtol=1e-6)
+    assert rope.attention_scaling == pytest.approx(scaling, rel=1e-12)
+    assert (scaling > 1.0) == (kind == "yarn")
 
 
 def test_qwen2_moe_dense_layers_and_flags() -> None:

@@ -120,7 +120,7 @@ def test_model_config_validation(changes: dict[str, object], message: str) -> No
 def test_moe_and_rope_validation() -> None:
     with pytest.raises(ValueError, match="num_experts_per_tok must be in"):
         MoeConfig(num_experts=2, top_k=3, intermediate_size=4, norm_topk_prob=True)
-    with pytest.raises(ValueError, match="rope_type 'yarn'"):
-        RopeConfig(rope_type="yarn")
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        RopeConfig(rope_type="dynamic")
     with pytest.raises(ValueError, match="no 'architectures'"):
         parse_hf_config({}, dtype=torch.float32, eos_token_ids=(), fingerprint="x")

@@ -46,7 +46,11 @@ CASES: dict[str, tuple[Any, dict[str, Any], dict[str, Any], Callable[[Path], Non
     "mistral-sharded": (
         transformers.MistralConfig, {"sliding_window": 4096, "rope_theta": 1e6},
         {"max_shard_size": "100KB"}, None),
-    "qwen2-bias-tied": (transformers.Qwen2Config, {"tie_word_embeddings": True}, {}, None),
+    "qwen2-bias-tied-yarn": (
+        transformers.Qwen2Config,
+        {"tie_word_embeddings": True, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+            "original_max_position_embeddings": 64}}, {}, None),
     "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2},
                 {}, None),
     "qwen2-moe-shared": (

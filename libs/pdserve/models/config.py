@@ -1,17 +1,14 @@
-"""ModelConfig: everything the engine and kvd need about a model, parsed from config.json.
-
-Both RoPE dialects are read: the old ``rope_theta`` + ``rope_scaling`` pair and the
-``rope_parameters`` dict that transformers >= 5 writes with ``save_pretrained``.
-"""
+"""ModelConfig: everything the engine and kvd need about a model, parsed from config.json."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pdserve.models.rope import RopeConfig, parse_rope
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -23,53 +20,6 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM")
 ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 # rope_theta when config.json names none (the transformers class defaults).
 _DEFAULT_THETA = {"MixtralForCausalLM": 1e6}
-ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters; ``inv_freq`` follows transformers' rope init functions."""
-
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_type {self.rope_type!r} is not supported (one of {ROPE_TYPES})")
-        if self.theta <= 0:
-            raise ValueError(f"rope_theta must be > 0, got {self.theta}")
-        if self.factor <= 0:
-            raise ValueError(f"rope factor must be > 0, got {self.factor}")
-        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError("rope high_freq_factor must be > low_freq_factor for llama3")
-
-    def inv_freq(self, head_dim: int) -> torch.Tensor:
-        """[head_dim // 2] float32 inverse frequencies."""
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (self.theta**exponents)
-        if self.rope_type == "linear":
-            return inv_freq / self.factor
-        if self.rope_type == "llama3":
-            return self._llama3(inv_freq)
-        return inv_freq
-
-    def _llama3(self, inv_freq: torch.Tensor) -> torch.Tensor:
-        # Long wavelengths are divided by `factor`, short ones kept, the band between blended.
-        old_len = self.original_max_position_embeddings
-        low_wavelen = old_len / self.low_freq_factor
-        high_wavelen = old_len / self.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
-        smooth = (old_len / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
 
 
 @dataclass(frozen=True)
@@ -178,37 +128,6 @@ def _require(cfg: Mapping[str, Any], key: str) -> Any:
     return cfg[key]
 
 
-def parse_rope(cfg: Mapping[str, Any], architecture: str) -> RopeConfig:
-    """Read either dialect: ``rope_parameters`` (new) or ``rope_theta`` + ``rope_scaling``."""
-    params = dict(cfg.get("rope_parameters") or {})
-    if not params:
-        params = dict(cfg.get("rope_scaling") or {})
-        if cfg.get("rope_theta") is not None:
-            params["rope_theta"] = cfg["rope_theta"]
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    theta = float(params.get("rope_theta", _DEFAULT_THETA.get(architecture, 10000.0)))
-    if rope_type == "default":
-        return RopeConfig(theta=theta)
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported (one of {ROPE_TYPES})")
-    if "factor" not in params:
-        raise ValueError(f"rope scaling {rope_type!r} needs field 'factor'")
-    if rope_type == "linear":
-        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
-    for key in ("low_freq_factor", "high_freq_factor"):
-        if key not in params:
-            raise ValueError(f"rope scaling 'llama3' needs field {key!r}")
-    original = params.get("original_max_position_embeddings")
-    if original is None:
-        original = _require(cfg, "max_position_embeddings")
-    return RopeConfig(
-        theta=theta, rope_type="llama3", factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(original),
-    )
-
-
 def _parse_moe(cfg: Mapping[str, Any], architecture: str, num_layers: int) -> MoeConfig:
     if architecture == "MixtralForCausalLM":
         return MoeConfig(
@@ -273,7 +192,7 @@ def parse_hf_config(
         fingerprint=fingerprint,
         intermediate_size=int(cfg.get("intermediate_size") or 0),
         rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
-        rope=parse_rope(cfg, arch),
+        rope=parse_rope(cfg, default_theta=_DEFAULT_THETA.get(arch, 10000.0)),
         qkv_bias=bool(qkv_bias.get(arch, False)),
         o_bias=attention_bias and is_llama,
         mlp_bias=bool(cfg.get("mlp_bias", False)) and is_llama,

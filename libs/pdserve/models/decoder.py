@@ -12,8 +12,9 @@ from torch import nn
 from pdserve.attention.base import AttentionBackend
 from pdserve.models.base import CausalLM
 from pdserve.models.config import ModelConfig
-from pdserve.models.layers import Attention, GatedMLP, RMSNorm, Rotary, empty_param
+from pdserve.models.layers import Attention, GatedMLP, RMSNorm, empty_param
 from pdserve.models.moe import SparseMoe
+from pdserve.models.rope import Rotary
 from pdserve.models.weights import WeightRouter
 
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.attention.base import AttentionBackend
-from pdserve.models.config import ModelConfig, RopeConfig
+from pdserve.models.config import ModelConfig
+from pdserve.models.rope import apply_rope
 
 
 def empty_param(*shape: int) -> nn.Parameter:
@@ -42,31 +43,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-class Rotary(nn.Module):
-    """Neox-style RoPE (rotate halves); cos/sin are built once per forward for all layers.
-
-    ``inv_freq`` is a plain attribute, not a buffer: ``model.to(bfloat16)`` must not round it,
-    and models are built on the meta device, which would leave a buffer empty.
-    """
-
-    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
-        super().__init__()
-        with torch.device("cpu"):
-            self.inv_freq = rope.inv_freq(head_dim)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, 1, D/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
