@@ -27,12 +27,15 @@ READY = re.compile(r"pdserve (\w+) listening on ([\d.]+):(\d+)")
 
 
 @functools.cache
-def engine(model: str = "tiny", num_blocks: int = 64) -> Engine:
-    return Engine.from_model(model, EngineServiceConfig(num_blocks=num_blocks).engine_args())
+def engine(model: str = "tiny", num_blocks: int = 64, tag: str = "", chunk: int = 512) -> Engine:
+    """One engine per (model, size, tag, chunk), shared by the tests of a process."""
+    cfg = EngineServiceConfig(num_blocks=num_blocks, max_num_batched_tokens=chunk)
+    return Engine.from_model(model, cfg.engine_args())
 
 
 @contextlib.asynccontextmanager
-async def serve(config: EngineServiceConfig, eng: Engine) -> AsyncIterator[Any]:
+async def serve(config: EngineServiceConfig, eng: Engine,
+                kvd_client: Any = None) -> AsyncIterator[Any]:
     """An in-process engine service (prefill or decode servicers by role) on a free port."""
     from services.decode.servicer import servicers as decode_servicers
     from services.prefill.servicer import servicers as prefill_servicers
@@ -42,6 +45,11 @@ async def serve(config: EngineServiceConfig, eng: Engine) -> AsyncIterator[Any]:
     svc = make_server("127.0.0.1", 0, pick(inst))
     await svc.server.start()
     await inst.start(svc.port)
+    if kvd_client is not None:
+        from pdserve.serving.kv_bridge import KvBridge
+
+        inst.bridge = KvBridge(inst.aengine, kvd_client, "127.0.0.1:1")
+        await inst.bridge.register()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}")
     try:
         yield Client(channel, inst)

@@ -1,0 +1,130 @@
+"""The prefill -> decode hand-over in-process, through a loopback kvd (an in-memory slot
+pool with the KvdClient methods the bridge uses). It checks the engine-side logic — which
+blocks are exported, when pages are released, checksums of the slot bytes, prefix loading,
+import on decode — without processes; the real kvds over UCX are in test_disaggregated.py."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from pdserve.proto.v1 import common_pb2, kvd_pb2
+from pdserve.serving.config import EngineServiceConfig
+from pdserve.serving.kv_bridge import slot_checksum
+from tests.services.harness import engine, serve, tokens_of
+from tests.services.test_engine_services import assert_idle, expected
+
+
+class LoopbackKvd:
+    def __init__(self, num_slots: int, shape: Sequence[int], dtype: torch.dtype) -> None:
+        self.data = torch.zeros(num_slots, *shape, dtype=dtype)
+        self.free = list(range(num_slots))
+        self.present: dict[bytes, int] = {}
+        self.pins: dict[int, int] = {}  # pin id -> slot
+        self._ids = itertools.count(1)
+        self.num_commits = 0
+        self.destinations: list[str] = []
+
+    async def register(self, layout: Any) -> Any:
+        return SimpleNamespace(node_id="loop")
+
+    def slot_view(self, slot: int) -> torch.Tensor:
+        return self.data[slot]
+
+    def _pin(self, slot: int) -> kvd_pb2.Pin:
+        pin_id = next(self._ids)
+        self.pins[pin_id] = slot
+        return kvd_pb2.Pin(slot=slot, pin_id=pin_id)
+
+    async def allocate(self, n: int) -> list[kvd_pb2.Pin]:
+        assert len(self.free) >= n, "loopback pool exhausted"
+        return [self._pin(self.free.pop()) for _ in range(n)]
+
+    async def commit(self, entries: Sequence[kvd_pb2.CommitEntry], destination: Any,
+                     release: bool = True) -> None:
+        for e in entries:
+            assert slot_checksum(self.data[e.slot]) == e.checksum
+            if e.hash in self.present:
+                self.free.append(e.slot)
+            else:
+                self.present[e.hash] = e.slot
+            if release:
+                del self.pins[e.pin_id]
+        self.num_commits += len(entries)
+        if destination is not None:
+            self.destinations.append(destination.address)
+
+    async def lookup(self, hashes: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.present:
+            n += 1
+        return n
+
+    async def await_blocks(self, refs: Sequence[common_pb2.BlockRef], source: Any,
+                           timeout: float) -> list[kvd_pb2.Pin]:
+        if any(r.hash not in self.present for r in refs):
+            await asyncio.sleep(timeout)
+            raise TimeoutError("blocks did not arrive")
+        for r in refs:
+            if r.checksum:
+                assert slot_checksum(self.data[self.present[r.hash]]) == r.checksum
+        return [self._pin(self.present[r.hash]) for r in refs]
+
+    async def release(self, pin_ids: Sequence[int]) -> None:
+        for p in pin_ids:
+            del self.pins[p]
+
+    def close(self) -> None:
+        pass
+
+
+def _kvd() -> LoopbackKvd:
+    eng = engine()
+    return LoopbackKvd(64, eng.cache.block_shape, eng.config.dtype)
+
+
+async def test_prefill_blocks_carry_decode_to_the_offline_tokens() -> None:
+    prompt = [(13 * i) % 250 + 2 for i in range(83)]
+    kvd = _kvd()
+    dest = common_pb2.KvdEndpoint(node_id="b", address="127.0.0.1:2")
+    p_cfg = EngineServiceConfig(role="prefill", num_blocks=64, max_num_batched_tokens=32)
+    d_cfg = EngineServiceConfig(role="decode", num_blocks=64)
+    async with serve(p_cfg, engine("tiny", 64, "prefill", chunk=32), kvd) as p, \
+            serve(d_cfg, engine("tiny", 64, "decode"), kvd) as d:
+        first = await p.prefill("bridge-1", prompt, 10, destination=dest)
+        assert [b.hash for b in first.blocks] == list(kvd.present)[:5]
+        assert all(b.checksum for b in first.blocks)
+        assert kvd.destinations and set(kvd.destinations) == {"127.0.0.1:2"}
+        # Chunks of 32 tokens: blocks were committed chunk by chunk, not all at the end.
+        assert kvd.num_commits == 5 and len(kvd.destinations) >= 2
+        await assert_idle(p)
+        chunks = await d.decode("bridge-1", prompt, 10, prefilled=first)
+        assert [first.first_token_id, *tokens_of(chunks)] == expected(prompt, 10)
+        d_stats = await d.stats()
+        assert d_stats.prefill_tokens_computed == len(prompt) % 16 + 1  # tail + first token
+        await assert_idle(d)
+    assert kvd.pins == {}
+
+
+async def test_fresh_prefill_loads_the_prefix_from_kvd() -> None:
+    prefix = [(17 * i) % 250 + 2 for i in range(64)]
+    kvd = _kvd()
+    cfg = EngineServiceConfig(role="prefill", num_blocks=64)
+    async with serve(cfg, engine("tiny", 64, "p-a"), kvd) as p:
+        await p.prefill("pa", prefix + [3, 4, 5])
+    async with serve(cfg, engine("tiny", 64, "p-b"), kvd) as fresh:
+        before = (await fresh.stats()).prefill_tokens_computed
+        second = prefix + [9, 8, 7]
+        resp = await fresh.prefill("pb", second)
+        assert resp.cached_tokens == len(prefix)
+        computed = (await fresh.stats()).prefill_tokens_computed - before
+        assert computed == len(second) - len(prefix)
+        assert resp.first_token_id == expected(second, 1)[0]
+        assert all(b.checksum for b in resp.blocks)  # loaded blocks get their checksum too
+        await assert_idle(fresh)
+    assert kvd.pins == {}
