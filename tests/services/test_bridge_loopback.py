@@ -12,10 +12,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-
 from pdserve.proto.v1 import common_pb2, kvd_pb2
 from pdserve.serving.config import EngineServiceConfig
 from pdserve.serving.kv_bridge import slot_checksum
+
 from tests.services.harness import engine, serve, tokens_of
 from tests.services.test_engine_services import assert_idle, expected
 
