@@ -12,9 +12,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from pdserve.proto.v1 import common_pb2, kvd_pb2
+from pdserve.hashing import block_checksum
+from pdserve.kvd.client import CommitEntry, Pin
+from pdserve.proto.v1 import common_pb2
 from pdserve.serving.config import EngineServiceConfig
-from pdserve.serving.kv_bridge import slot_checksum
 
 from tests.services.harness import engine, serve, tokens_of
 from tests.services.test_engine_services import assert_idle, expected
@@ -36,25 +37,28 @@ class LoopbackKvd:
     def slot_view(self, slot: int) -> torch.Tensor:
         return self.data[slot]
 
-    def _pin(self, slot: int) -> kvd_pb2.Pin:
+    def slot_memory(self, slot: int) -> memoryview:
+        return memoryview(self.data[slot].view(torch.uint8).numpy()).cast("B")
+
+    def _pin(self, slot: int) -> Pin:
         pin_id = next(self._ids)
         self.pins[pin_id] = slot
-        return kvd_pb2.Pin(slot=slot, pin_id=pin_id)
+        return Pin(slot=slot, pin_id=pin_id)
 
-    async def allocate(self, n: int) -> list[kvd_pb2.Pin]:
+    async def allocate(self, n: int) -> list[Pin]:
         assert len(self.free) >= n, "loopback pool exhausted"
         return [self._pin(self.free.pop()) for _ in range(n)]
 
-    async def commit(self, entries: Sequence[kvd_pb2.CommitEntry], destination: Any,
+    async def commit(self, entries: Sequence[CommitEntry], destination: Any,
                      release: bool = True) -> None:
         for e in entries:
-            assert slot_checksum(self.data[e.slot]) == e.checksum
+            assert block_checksum(self.slot_memory(e.pin.slot)) == e.checksum
             if e.hash in self.present:
-                self.free.append(e.slot)
+                self.free.append(e.pin.slot)
             else:
-                self.present[e.hash] = e.slot
+                self.present[e.hash] = e.pin.slot
             if release:
-                del self.pins[e.pin_id]
+                del self.pins[e.pin.pin_id]
         self.num_commits += len(entries)
         if destination is not None:
             self.destinations.append(destination.address)
@@ -66,20 +70,20 @@ class LoopbackKvd:
         return n
 
     async def await_blocks(self, refs: Sequence[common_pb2.BlockRef], source: Any,
-                           timeout: float) -> list[kvd_pb2.Pin]:
+                           timeout: float) -> list[Pin]:
         if any(r.hash not in self.present for r in refs):
             await asyncio.sleep(timeout)
             raise TimeoutError("blocks did not arrive")
         for r in refs:
             if r.checksum:
-                assert slot_checksum(self.data[self.present[r.hash]]) == r.checksum
+                assert block_checksum(self.slot_memory(self.present[r.hash])) == r.checksum
         return [self._pin(self.present[r.hash]) for r in refs]
 
     async def release(self, pin_ids: Sequence[int]) -> None:
         for p in pin_ids:
             del self.pins[p]
 
-    def close(self) -> None:
+    async def close(self) -> None:
         pass
 
 

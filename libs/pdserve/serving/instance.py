@@ -90,7 +90,7 @@ class Instance:
         if self._redis is not None:
             await self._redis.aclose()
         if self.bridge is not None:
-            self.bridge.client.close()
+            await self.bridge.client.close()
         await self.aengine.close()
 
     async def _start_heartbeat(self) -> None:

@@ -18,7 +18,8 @@ import torch
 
 from pdserve.engine.engine import Engine
 from pdserve.hashing import block_checksum
-from pdserve.proto.v1 import common_pb2, kvd_pb2
+from pdserve.kvd.client import CommitEntry, Pin
+from pdserve.proto.v1 import common_pb2
 from pdserve.serving.async_engine import AsyncEngine
 from pdserve.serving.convert import BlockRefIn, Exported
 
@@ -27,11 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def slot_checksum(view: torch.Tensor) -> int:
-    return block_checksum(view.contiguous().view(torch.uint8).numpy().data)
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class KvBridge:
@@ -42,13 +40,15 @@ class KvBridge:
         self.node_id = ""
 
     async def register(self) -> None:
+        from pdserve.kvd.layout import BlockLayout
+
         cfg = self.aengine.engine.config
-        layout = kvd_pb2.BlockLayout(
-            num_layers=cfg.num_layers, block_size=self.aengine.engine.kv.block_size,
-            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            dtype=DTYPE_NAMES[cfg.dtype], model_fingerprint=cfg.fingerprint)
-        reply = await self.client.register(layout)
-        self.node_id = reply.node_id
+        layout = BlockLayout(num_layers=cfg.num_layers,
+                             block_size=self.aengine.engine.kv.block_size,
+                             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                             dtype=DTYPE_NAMES[cfg.dtype], model_fingerprint=cfg.fingerprint)
+        info = await self.client.register(layout)
+        self.node_id = info.node_id
 
     @property
     def endpoint(self) -> common_pb2.KvdEndpoint:
@@ -71,9 +71,9 @@ class KvBridge:
                     engine.export_blocks([page], view.unsqueeze(0))
 
             await self.aengine.call(copy_out)
-            sums = [slot_checksum(v) for v in views]
-            entries = [kvd_pb2.CommitEntry(slot=p.slot, hash=h, checksum=c, pin_id=p.pin_id)
-                       for p, (h, _), c in zip(pins, blocks, sums, strict=True)]
+            sums = [block_checksum(self.client.slot_memory(p.slot)) for p in pins]
+            entries = [CommitEntry(p, h, c) for p, (h, _), c in zip(pins, blocks, sums,
+                                                                      strict=True)]
             await self.client.commit(entries, destination, release=True)
         except BaseException:
             await self._release_quietly([p.pin_id for p in pins])
@@ -108,13 +108,13 @@ class KvBridge:
         await self._import([r.hash for r in refs], pins)
         return len(pins)
 
-    async def _import(self, hashes: list[bytes], pins: Sequence[kvd_pb2.Pin],
+    async def _import(self, hashes: list[bytes], pins: Sequence[Pin],
                       with_checksums: bool = False) -> list[int]:
         """Copy pinned slots into the engine; returns their checksums when asked."""
         try:
-            views = [self.client.slot_view(p.slot) for p in pins]
-            data = torch.stack(views)
-            sums = [slot_checksum(v) for v in data] if with_checksums else []
+            data = torch.stack([self.client.slot_view(p.slot) for p in pins])
+            sums = ([block_checksum(self.client.slot_memory(p.slot)) for p in pins]
+                    if with_checksums else [])
             await self.aengine.call(lambda e: e.import_blocks(hashes, data))
             return sums
         finally:
