@@ -139,11 +139,12 @@ class Router:
     async def _run(self, flow: Flow) -> AsyncIterator[router_pb2.GenerateResponse]:
         prefills = self.pool.healthy(common_pb2.ROLE_PREFILL)
         decodes = self.pool.healthy(common_pb2.ROLE_DECODE)
+        first = None
         if prefills and decodes:
             first = await run_prefill(flow, self.policy, self.pool, prefills, decodes)
             self._count_placement(flow)
-            yield first
             if first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                yield first
                 return
         else:
             decodes = self.pool.healthy(common_pb2.ROLE_COLOCATED)
@@ -151,7 +152,7 @@ class Router:
                 raise RouteError(grpc.StatusCode.UNAVAILABLE, self._no_capacity())
             flow.choice = self._place_colocated(flow, decodes)
             self._count_placement(flow)
-        async for message in relay_decode(flow, self.policy, self.pool, decodes):
+        async for message in relay_decode(flow, self.policy, self.pool, decodes, first):
             yield message
 
     def _place_colocated(self, flow: Flow, decodes: list[Instance]) -> Choice:

@@ -147,14 +147,18 @@ def _decode_request(flow: Flow, decode: Instance) -> engine_pb2.DecodeRequest:
 
 
 async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
-                       decodes: Sequence[Instance]) -> AsyncIterator[router_pb2.GenerateResponse]:
-    """Stream Decode's chunks; a decode failing before its first chunk is replaced."""
+                       decodes: Sequence[Instance], first: router_pb2.GenerateResponse | None,
+                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    """Stream Decode's chunks; a decode failing before its first chunk is replaced.
+
+    ``first`` (prefill's token) goes out right after the Decode call is started, so writing
+    it to the client overlaps the decode RPC's setup instead of preceding it."""
     assert flow.choice is not None and flow.query is not None
     decode, tried = flow.choice.decode, []
     for attempt in range(flow.max_retries + 1):
         chunks_before = flow.num_decode_chunks
         try:
-            async for message in _relay_one(flow, decode):
+            async for message in _relay_one(flow, decode, first):
                 yield message
             return
         except grpc.RpcError as exc:
@@ -173,7 +177,7 @@ async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
                                  f"no capacity: {where} failed ({code.name} {exc.details()}) "
                                  f"and no other decode instance is left to try") from exc
             metrics.RETRIES.labels("decode").inc()
-            decode = replacement
+            decode, first = replacement, None
 
 
 def _next_decode(flow: Flow, policy: RoutingPolicy, decodes: Sequence[Instance],
@@ -189,7 +193,8 @@ def _next_decode(flow: Flow, policy: RoutingPolicy, decodes: Sequence[Instance],
     return choice.decode
 
 
-async def _relay_one(flow: Flow, decode: Instance) -> AsyncIterator[router_pb2.GenerateResponse]:
+async def _relay_one(flow: Flow, decode: Instance, first: router_pb2.GenerateResponse | None,
+                     ) -> AsyncIterator[router_pb2.GenerateResponse]:
     request, timeout = _decode_request(flow, decode), flow.timeout()
     decode.num_routed += 1
     decode.num_inflight_decodes += 1
@@ -198,6 +203,8 @@ async def _relay_one(flow: Flow, decode: Instance) -> AsyncIterator[router_pb2.G
     call = decode.decode.Decode(request, timeout=timeout, metadata=flow.metadata)
     is_first = flow.prefill_response is None
     try:
+        if first is not None:
+            yield first
         async for chunk in call:
             message = router_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text,
                                                   logprobs=chunk.logprobs,
