@@ -92,8 +92,7 @@ class Kvd:
         if self.layout is None:
             self._create_pool(layout)
         elif layout.block_bytes != self.layout.block_bytes:
-            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"layout: blocks of {layout.block_bytes} bytes, but this pool's slots "
+            raise invalid(f"layout: blocks of {layout.block_bytes} bytes, but this pool's slots "
                            f"hold {self.layout.block_bytes} (first registered layout)")
         assert self._shm is not None and self.shipper is not None
         return kvd_pb2.RegisterResponse(
@@ -287,9 +286,8 @@ class Kvd:
         for i, r in enumerate(req.blocks):
             self._check_hash(r.hash, f"blocks[{i}].hash")
         if req.slot_bytes != ship.slot_bytes:
-            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"slot_bytes: peer blocks are {req.slot_bytes} bytes, ours "
-                           f"{ship.slot_bytes}")
+            raise invalid(f"slot_bytes: peer blocks are {req.slot_bytes} bytes, ours "
+                          f"{ship.slot_bytes}")
         if len(req.slots) != len(req.blocks):
             raise invalid(f"slots: {len(req.slots)} slots for {len(req.blocks)} blocks")
         if not req.peer.node_id or not req.peer.address or not req.ucx_address:
