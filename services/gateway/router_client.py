@@ -14,6 +14,9 @@ from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 _OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # Retries are the router's job (on another instance); the channel must never resend a
+    # Generate by itself.
+    ("grpc.enable_retries", 0),
 ]
 
 

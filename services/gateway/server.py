@@ -14,9 +14,10 @@ from collections.abc import Iterator
 import uvicorn
 from pdserve.server import Service, make_server
 
-from services.gateway.app import Gateway, create_app
+from services.gateway.app import FastPath, create_app
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewayConfig
+from services.gateway.handlers import Gateway
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router_client import RouterClient
 
@@ -64,7 +65,8 @@ class GatewayServer:
         self._grpc: Service = make_server(config.host, config.grpc_port, [])
         self.grpc_port = self._grpc.port
         await self._grpc.server.start()
-        uv_config = uvicorn.Config(create_app(self.gateway), log_config=None, access_log=False,
+        app = FastPath(create_app(self.gateway), self.gateway)
+        uv_config = uvicorn.Config(app, log_config=None, access_log=False,
                                    lifespan="off", timeout_graceful_shutdown=self.grace,
                                    server_header=False)
         self._http = _Uvicorn(uv_config)

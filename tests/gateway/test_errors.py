@@ -3,6 +3,7 @@ keys, model, quota, capacity, deadline, mid-stream router errors, disconnects, l
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -163,8 +164,12 @@ def test_disconnect_cancels_router_call(stack: Stack, http: httpx.Client) -> Non
     with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up waiting
         http.post("/v1/completions", json={"model": MODEL, "prompt": "hang"}, timeout=0.3)
     _wait_cancelled(stack, before + 2)
-    metrics = http.get("/metrics").text
-    assert "pdserve_gateway_client_disconnects_total" in metrics
+    deadline = time.monotonic() + 5  # nothing leaks: every request ended and was recorded
+    while "pdserve_gateway_in_flight 0.0" not in (metrics := http.get("/metrics").text):
+        assert time.monotonic() < deadline, "in-flight gauge did not return to 0"
+        time.sleep(0.02)
+    assert re.search(r"pdserve_gateway_client_disconnects_total [1-9]", metrics)
+    assert 'status="499"' in metrics
 
 
 def test_unknown_route_is_openai_shaped(http: httpx.Client) -> None:

@@ -1,0 +1,286 @@
+"""Request handling of the gateway: OpenAI's REST API over the router's gRPC ``Generate`` stream.
+
+A request: auth (Bearer key -> tenant) -> body (size-limited) -> pydantic validation -> one
+router call per choice -> first messages awaited (so early errors keep their HTTP status) ->
+a JSON answer, or SSE chunks ending in ``data: [DONE]``. A client that disconnects cancels its
+router calls; a router error after the stream started becomes an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
+from pdserve.log import fields
+from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
+
+from services.gateway import responses as shapes
+from services.gateway.auth import KeyStore
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import ApiError, bad_request, from_rpc_error, from_validation
+from services.gateway.generate import Choice, Generation, collect
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.router_client import RouterClient
+from services.gateway.schema import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+Api = CompletionRequest | ChatCompletionRequest
+_STATUS_499 = 499  # nginx's "client closed request": nobody reads it, metrics do
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+class _StreamEnd:
+    """Runs once however a stream ends, even one whose body never started (a client gone before
+    the first byte): cancels the router calls and records the request."""
+
+    def __init__(self, gw: Gateway, gen: Generation, endpoint: str, start: float) -> None:
+        self.gw, self.gen, self.endpoint, self.start = gw, gen, endpoint, start
+        self.status = _STATUS_499  # until the stream says otherwise
+        self.ended = False
+
+    def __call__(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.gen.cancel()
+        if self.status == _STATUS_499:
+            self.gw.metrics.disconnects.inc()
+        self.gw._record(self.endpoint, self.status, self.start)
+
+
+class _SSEResponse(StreamingResponse):
+    def __init__(self, body: AsyncIterator[bytes], end: _StreamEnd, headers: dict[str, str]
+                 ) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=headers)
+        self.end = end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self.end()
+
+
+@dataclass
+class Gateway:
+    config: GatewayConfig
+    client: RouterClient
+    keys: KeyStore
+    metrics: GatewayMetrics
+
+    async def handle(self, request: Request, endpoint: str, model_cls: type[Api]) -> Response:
+        start = time.perf_counter()
+        self.metrics.in_flight.inc()
+        try:
+            response = await self._respond(request, model_cls, start)
+        except ClientGone:
+            self.metrics.disconnects.inc()
+            response = Response(status_code=_STATUS_499)
+        except BaseException:
+            self._record(endpoint, 500, start)
+            raise
+        if not isinstance(response, _SSEResponse):  # a stream records itself when it ends
+            self._record(endpoint, response.status_code, start)
+        return response
+
+    async def _respond(self, request: Request, model_cls: type[Api], start: float
+                       ) -> Response:
+        try:
+            tenant = self.keys.tenant(request.headers.get("authorization"))
+            req = model_cls.model_validate_json(await self._body(request))
+            return await self._generate(request, req, tenant, start)
+        except ValidationError as exc:
+            err = from_validation(exc)
+        except ApiError as exc:
+            err = exc
+        except grpc.aio.AioRpcError as exc:
+            err = self._rpc_error(exc)
+        if err.status >= 500:
+            log.warning("request failed", extra=fields(status=err.status, error=err.message))
+        return error_response(err)
+
+    async def _generate(self, request: Request, req: Api, tenant: str, start: float
+                        ) -> Response:
+        inputs = req.inputs()
+        num_choices = len(inputs) * req.n
+        if num_choices > self.config.max_choices:
+            raise bad_request(f"n: {req.n} choices x {len(inputs)} prompts exceeds the limit of "
+                              f"{self.config.max_choices}", "n")
+        chat = isinstance(req, ChatCompletionRequest)
+        rid = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
+        model = await self._router_model(req.model)
+        gen = Generation(self.client, req.router_requests(
+            model, inputs, req.completion_limit, req.num_logprobs, rid,
+            tenant if self.keys.enabled else (req.user or "")))
+        created = int(time.time())
+        logprobs = req.num_logprobs is not None
+        try:
+            with _cancel_on_disconnect(request):
+                await gen.start()
+                if not req.stream:
+                    choices = await collect(gen, num_choices)
+            if req.stream:
+                writer = shapes.ChunkWriter(rid, created, req.model, chat, req.include_usage,
+                                            logprobs)
+                end = _StreamEnd(self, gen, "chat" if chat else "completions", start)
+                body = self._stream(gen, writer, num_choices, req.n, req.include_usage, end)
+                return _SSEResponse(body, end, {**_SSE_HEADERS, "x-request-id": rid})
+        except BaseException:
+            gen.cancel()
+            raise
+        gen.cancel()
+        self._account(gen, choices, req.n, "chat" if chat else "completions")
+        build = shapes.chat_body if chat else shapes.completion_body
+        return Response(shapes.dumps(build(rid, created, req.model, choices, req.n, logprobs)),
+                        media_type="application/json", headers={"x-request-id": rid})
+
+    async def _stream(self, gen: Generation, writer: shapes.ChunkWriter, num_choices: int, n: int,
+                      include_usage: bool, end: _StreamEnd) -> AsyncIterator[bytes]:
+        choices = [Choice() for _ in range(num_choices)]
+        # Final chunks wait for the end of the stream so that they, the usage and [DONE] leave
+        # in one write: fewer sends per request on the hot path.
+        tail: list[bytes] = []
+        try:
+            if writer.chat:
+                yield b"".join(writer.role(i) for i in range(num_choices))
+            async for i, msg in gen.messages():
+                choices[i].add(msg, 0)
+                chunk = writer.chunk(i, msg, choices[i].finish)
+                if chunk is not None and choices[i].finish is None:
+                    yield chunk
+                elif chunk is not None:
+                    tail.append(chunk)
+            if any(c.finish is None for c in choices):
+                raise ApiError(502, "the router's stream ended without a finish reason",
+                               "server_error", code="incomplete")
+            if include_usage:
+                tail.append(writer.usage(choices, n))
+            end.status = 200
+            self._account(gen, choices, n, end.endpoint)
+        except ApiError as exc:
+            end.status = exc.status
+            tail.append(shapes.sse_error(exc))
+        except grpc.aio.AioRpcError as exc:
+            err = self._rpc_error(exc)
+            end.status = err.status
+            tail.append(shapes.sse_error(err))
+        except Exception:
+            end.status = 500
+            raise
+        finally:
+            end()
+        tail.append(shapes.DONE)
+        yield b"".join(tail)
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body: larger than {limit} bytes", code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body: larger than {limit} bytes",
+                               code="body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _router_model(self, name: str) -> str:
+        """``--model-name`` is an alias of the router's model; other names go through as is."""
+        if self.config.model_name and name == self.config.model_name:
+            return await self.client.default_model()
+        return name
+
+    def _rpc_error(self, exc: grpc.aio.AioRpcError) -> ApiError:
+        self.metrics.router_errors.labels(exc.code().name).inc()
+        return from_rpc_error(exc)
+
+    def _account(self, gen: Generation, choices: list[Choice], n: int, endpoint: str) -> None:
+        usage: dict[str, Any] = shapes.usage_of(choices, n)
+        self.metrics.count_tokens(usage["prompt_tokens"], usage["completion_tokens"])
+        if gen.ttft is not None:
+            self.metrics.ttft.labels(endpoint).observe(gen.ttft)
+
+    def _record(self, endpoint: str, status: int, start: float) -> None:
+        self.metrics.in_flight.dec()
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.keys.tenant(request.headers.get("authorization"))
+            infos = await self.client.list_models()
+        except ApiError as exc:
+            return error_response(exc)
+        except grpc.aio.AioRpcError as exc:
+            return error_response(self._rpc_error(exc))
+        data = [{"id": (self.config.model_name if i == 0 and self.config.model_name else m.id),
+                 "object": "model", "created": 0, "owned_by": "pdserve",
+                 "max_model_len": m.max_context} for i, m in enumerate(infos)]
+        return Response(shapes.dumps({"object": "list", "data": data}),
+                        media_type="application/json")
+
+    async def health(self) -> Response:
+        ok = await self.client.check()
+        body = {"status": "ok" if ok else "unavailable", "router": self.client.address,
+                "router_serving": ok}
+        return Response(shapes.dumps(body), status_code=200 if ok else 503,
+                        media_type="application/json")
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_response(err: ApiError) -> Response:
+    return Response(err.json_bytes(), status_code=err.status, media_type="application/json",
+                    headers=err.headers)
+
+
+async def _until_disconnected(request: Request) -> None:
+    # After the body is read, the next ASGI message is the disconnect (or nothing).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+@contextlib.contextmanager
+def _cancel_on_disconnect(request: Request) -> Iterator[None]:
+    """Run the block; if the client goes away meanwhile, cancel it and raise ClientGone.
+
+    One watcher task, and the block runs in the request's own task (no task per await).
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    active = True
+
+    def on_disconnect(done: asyncio.Future[None]) -> None:
+        if active and not done.cancelled():
+            task.cancel()
+
+    watcher.add_done_callback(on_disconnect)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            task.uncancel()
+            raise ClientGone() from None
+        raise
+    finally:
+        active = False
+        watcher.cancel()
+
