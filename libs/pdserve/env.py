@@ -187,7 +187,7 @@ SERVICE_FLAGS: dict[str, tuple[Flag, ...]] = {
         Flag("max-retries", int_kind(0), 2, "extra attempts on another instance"),
         Flag("poll-interval", float_kind(0.05), 1.0, "seconds between instance health/stats polls"),
         Flag("registry-prefix", STR, "pdserve:", "key prefix of the instance registry in Redis"),
-        Flag("index-prefix", STR, "", "key prefix of the prefix index; empty = its default"),
+        Flag("index-prefix", STR, "pdserve:", "key prefix of the prefix index (as the kvds)"),
         Flag("index-timeout", float_kind(0.001), 0.05,
              "seconds one index lookup may take before routing by load only"),
     ),

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
+from pdserve.env import otel_endpoint
 from pdserve.server import Service, make_server, run_main
+from pdserve.telemetry import init_tracing
 
 from services.router.config import RouterConfig
 from services.router.core import Router
@@ -17,21 +18,16 @@ from services.router.quotas import QuotaBook, load_quotas
 from services.router.requests import Limits
 from services.router.servicer import servicers
 
-log = logging.getLogger(__name__)
-
 
 def _redis_index(config: RouterConfig) -> PrefixLookup | None:
     if not config.redis_url:
         return None
-    try:
-        from pdserve.index import RedisPrefixIndex
-    except ImportError as exc:
-        log.warning("no prefix index (pdserve.index missing): routing by load only",
-                    extra={"fields": {"error": str(exc)}})
-        return None
-    kwargs = {"prefix": config.index_prefix} if config.index_prefix else {}
-    index: PrefixLookup = RedisPrefixIndex(config.redis_url, **kwargs)
-    return index
+    from pdserve.index import RedisPrefixIndex
+
+    # The socket timeout only bounds a stuck connection; each lookup is bounded by
+    # --index-timeout in IndexClient.
+    return RedisPrefixIndex(config.redis_url, prefix=config.index_prefix,
+                            timeout_s=max(1.0, config.index_timeout))
 
 
 def build_router(config: RouterConfig, model: ModelSpec | None = None,
@@ -59,6 +55,7 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
 
 async def create_server(config: RouterConfig, model: ModelSpec | None = None,
                         index: PrefixLookup | None = None) -> Service:
+    init_tracing("router", otel_endpoint())
     router = build_router(config, model, index)
     svc = make_server(config.host, config.port, servicers(router))
     svc.on_start.append(router.start)

@@ -32,7 +32,7 @@ class RouterConfig:
     max_retries: int = 2
     poll_interval: float = 1.0
     registry_prefix: str = "pdserve:"
-    index_prefix: str = ""
+    index_prefix: str = "pdserve:"
     index_timeout: float = 0.05
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import Protocol
 
+from pdserve.index.base import IndexUnavailable
 from redis.exceptions import RedisError
 
 from services.router import metrics
@@ -44,7 +45,7 @@ class IndexClient:
             return {}
         try:
             return await asyncio.wait_for(self.index.lookup(hashes), self.timeout)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (IndexUnavailable, RedisError, OSError, TimeoutError) as exc:
             self._set_available(False, exc)
             return None
 
@@ -54,7 +55,7 @@ class IndexClient:
             return
         try:
             await asyncio.wait_for(self.index.lookup([_PROBE_HASH]), max(self.timeout, 1.0))
-        except (RedisError, OSError, TimeoutError):
+        except (IndexUnavailable, RedisError, OSError, TimeoutError):
             return
         self._set_available(True, None)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from pathlib import Path
 
@@ -10,12 +11,12 @@ import grpc
 import pytest
 from pdserve import telemetry
 from pdserve.hashing import hash_blocks
+from pdserve.index import IndexUnavailable, NodeRecord, RedisPrefixIndex
 from pdserve.proto.v1 import common_pb2
 
 from services.router import metrics
 from tests.conftest import RedisServer, free_port
 from tests.router.conftest import Cluster, request
-from tests.router.fakes import RedisSetIndex
 
 PROMPT = list(range(10, 10 + 16 * 3))
 
@@ -170,9 +171,16 @@ async def test_redis_down_routes_by_load_and_recovers(cluster: Cluster) -> None:
     try:
         a, b = await cluster.engine("A", "prefill"), await cluster.engine("B", "prefill")
         d = await cluster.engine("D", "decode")
-        index = RedisSetIndex(redis.url)
-        await index.add("node-B", hash_blocks(PROMPT, 16, cluster.spec.fingerprint))
-        router, client = await cluster.router([a, b], [d], index=index, redis_url=redis.url)
+        hashes = hash_blocks(PROMPT, 16, cluster.spec.fingerprint)
+        # The real index, as kvd B fills it; the router builds its own from --redis-url.
+        kvd_b = RedisPrefixIndex(redis.url)
+
+        async def kvd_b_announces() -> None:
+            await kvd_b.register_node(NodeRecord("node-B", "127.0.0.1:1", b"", 64, 1), ttl=60)
+            await kvd_b.add("node-B", hashes)
+
+        await kvd_b_announces()
+        router, client = await cluster.router([a, b], [d], redis_url=redis.url)
         assert (await client.generate(ids=PROMPT))[0].placement.prefill_instance == "B"
         redis.stop()
         got = [(await client.generate(ids=PROMPT))[0].placement for _ in range(4)]
@@ -183,10 +191,20 @@ async def test_redis_down_routes_by_load_and_recovers(cluster: Cluster) -> None:
         await router.poll()  # registry and index unreachable: the instances stay
         assert len(router.pool.healthy(common_pb2.ROLE_PREFILL)) == 2
         redis.start()
-        await index.add("node-B", hash_blocks(PROMPT, 16, cluster.spec.fingerprint))
-        await router.poll()
+        # Each client's first call after the restart may meet a pooled dead connection;
+        # the next one reconnects (kvd and router both retry on their next beat or poll).
+        with contextlib.suppress(IndexUnavailable):
+            await kvd_b_announces()
+        await kvd_b_announces()  # kvd B re-announces what it holds
+        for _ in range(3):
+            await router.poll()
+            if router.cluster_state().index_available:
+                break
         assert router.cluster_state().index_available
-        assert (await client.generate(ids=PROMPT))[0].placement.prefill_instance == "B"
+        assert metrics.INDEX_AVAILABLE._value.get() == 1
+        placement = (await client.generate(ids=PROMPT))[0].placement
+        assert (placement.prefill_instance, placement.cached_blocks) == ("B", 3)
+        await kvd_b.close()
     finally:
         redis.stop()
 
@@ -220,3 +238,21 @@ async def _eventually(predicate, timeout: float = 3.0) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.02)
+
+
+async def test_router_concurrency_limit_answers_retry_after(cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    d.decode_hang = True
+    _, client = await cluster.router([p], [d], max_concurrent=1)
+    held = client.stub.Generate(request(ids=PROMPT), timeout=10)
+    it = held.__aiter__()
+    await it.__anext__()  # the first request is in flight
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.generate(ids=PROMPT)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-concurrent 1" in err.value.details()
+    assert dict(err.value.trailing_metadata() or ())["retry-after"] == "1"
+    held.cancel()
+    await _eventually(lambda: d.seen.cancelled != [])
+    d.decode_hang = False
+    assert len(await client.generate(ids=PROMPT)) == 4  # the slot came back

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[3]
