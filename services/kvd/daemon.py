@@ -110,6 +110,7 @@ class Kvd:
         safe = "".join(c if c.isalnum() else "-" for c in self.me.node_id)[:40]
         self._shm = shared_memory.SharedMemory(f"pdserve-kvd-{safe}-{self.epoch}", create=True,
                                                size=L.segment_bytes(slot_bytes, num_slots))
+        assert self._shm.buf is not None
         L.write_header(self._shm.buf, slot_bytes, num_slots, self.epoch)
         arr = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
         self.transport.attach(arr, L.HEADER_BYTES, slot_bytes)

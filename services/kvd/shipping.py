@@ -28,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -90,8 +91,8 @@ class Shipper:
         self.inbound: dict[bytes, asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -99,9 +100,9 @@ class Shipper:
         for task in list(self._tasks):
             task.cancel()
 
-    def slot_view(self, slot: int) -> np.ndarray:
+    def slot_view(self, slot: int) -> memoryview:
         start = self._data_offset + slot * self.slot_bytes
-        return self._arr[start:start + self.slot_bytes]
+        return self._arr[start:start + self.slot_bytes].data
 
     def _pin_for_transfer(self, slot: int) -> Pin:
         h = self.pool.slots[slot].hash

@@ -125,7 +125,8 @@ class RedisPrefixIndex(PrefixIndex):
 
     async def nodes(self) -> list[NodeRecord]:
         try:
-            ids = sorted(m.decode() for m in await self._r.smembers(f"{self.prefix}nodes"))
+            members = await self._r.smembers(f"{self.prefix}nodes")
+            ids = sorted(m.decode() if isinstance(m, bytes) else m for m in members)
             if not ids:
                 return []
             raw = await self._r.mget([f"{self.prefix}node:{i}" for i in ids])

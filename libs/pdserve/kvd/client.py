@@ -104,6 +104,7 @@ class KvdClient:
         shm = shared_memory.SharedMemory(r.shm_name)
         # Python < 3.13 tracks attached segments too and would unlink kvd's pool at our exit.
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        assert shm.buf is not None
         slot_bytes, num_slots, _ = L.read_header(shm.buf)
         if (slot_bytes, num_slots) != (r.slot_bytes, r.num_slots):
             raise ValueError(f"shm {r.shm_name}: header says {num_slots} x {slot_bytes} bytes, "
@@ -132,6 +133,7 @@ class KvdClient:
     def slot_memory(self, slot: int) -> memoryview:
         """The slot's raw bytes (for checksums and byte-level copies)."""
         shm, info, offset = self._mapped(slot)
+        assert shm.buf is not None
         return shm.buf[offset:offset + info.slot_bytes]
 
     async def allocate(self, n: int, lease_ms: int = 0) -> list[Pin]:

@@ -1,0 +1,198 @@
+"""``pdserve bench transfer [--json] [--quick]``: KV transfer bandwidth, side by side in one run.
+
+For batches of 1, 64 and 512 blocks of 1 MiB (16 layers x K,V x 16 tokens x 8 KV heads x 128
+dims x 2 bytes), the same bytes moved by:
+  (a) memcpy  -- one thread copying between two arrays: this host's ceiling;
+  (b) kvd     -- kvd A -> kvd B, from Commit with push until every block is present at B;
+  (c) grpc    -- a plain gRPC byte stream (1 MiB messages) between two processes;
+  (d) e2e     -- the engine path: write slots on A, Commit+push, Await on B, read, Release.
+Two real kvd processes and a gRPC sink process are started on loopback. ``--quick`` uses
+batches of 1, 16 and 64 blocks and fewer repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import torch
+from pdserve.hashing import block_checksum
+from pdserve.kvd.client import CommitEntry, KvdClient
+from pdserve.kvd.layout import BlockLayout
+from pdserve.proto.v1 import common_pb2
+
+ROOT = Path(__file__).resolve().parents[3]
+LAYOUT = BlockLayout(16, 16, 8, 128, "bfloat16")  # 1 MiB per block
+MIB = 1 << 20
+
+_SINK = """
+import asyncio, sys, grpc
+async def sink(it, ctx):
+    n = 0
+    async for chunk in it:
+        n += len(chunk)
+    return n.to_bytes(8, "little")
+async def main():
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+    h = grpc.stream_unary_rpc_method_handler(sink)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("b.Sink", {"S": h})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+asyncio.run(main())
+"""
+
+
+def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}", "PDSERVE_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()
+
+
+def _start_kvd(capacity_mib: int) -> tuple[subprocess.Popen[str], str]:
+    proc, line = _spawn(["-m", "services.kvd", "--port", "0", "--capacity-mib",
+                         str(capacity_mib)])
+    if "listening on" not in line:
+        raise RuntimeError(f"kvd did not start: {line!r}")
+    return proc, line.split("listening on ")[1].split()[0]
+
+
+def bench_memcpy(n: int, reps: int) -> float:
+    src = np.random.randint(0, 255, n * MIB, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in first
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return n * MIB / statistics.median(times) / 1e9
+
+
+async def bench_grpc(address: str, n: int, reps: int) -> float:
+    chunk = os.urandom(MIB)
+    async with grpc.aio.insecure_channel(address) as ch:
+        call = ch.stream_unary("/b.Sink/S")
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            got = await call(iter([chunk] * n), timeout=120)
+            times.append(time.perf_counter() - t)
+            assert int.from_bytes(got, "little") == n * MIB
+    return n * MIB / statistics.median(times) / 1e9
+
+
+class KvdPair:
+    def __init__(self, a: KvdClient, b: KvdClient, b_endpoint: common_pb2.KvdEndpoint) -> None:
+        self.a, self.b, self.dest = a, b, b_endpoint
+        self.seq = 0
+        self.source = torch.randn(LAYOUT.shape).to(torch.bfloat16)
+
+    def hashes(self, n: int) -> list[bytes]:
+        self.seq += 1
+        return [self.seq.to_bytes(16, "big") + i.to_bytes(16, "big") for i in range(n)]
+
+    async def kvd_once(self, n: int) -> float:
+        """(b): blocks already written on A; time Commit-with-push -> present at B."""
+        pins = await self.a.allocate(n)
+        for p in pins:
+            self.a.slot_view(p.slot).copy_(self.source)
+        sums = [block_checksum(self.a.slot_memory(p.slot)) for p in pins]
+        hs = self.hashes(n)
+        refs = [common_pb2.BlockRef(hash=h, checksum=s) for h, s in zip(hs, sums, strict=True)]
+        t = time.perf_counter()
+        await self.a.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hs, sums,
+                                                                     strict=True)], self.dest)
+        got = await self.b.await_blocks(refs, timeout=120)
+        dt = time.perf_counter() - t
+        await self.b.release([p.pin_id for p in got])
+        return dt
+
+    async def e2e_once(self, n: int, out: torch.Tensor) -> float:
+        """(d): engine write on A -> Commit+push -> Await on B -> engine read -> Release."""
+        hs = self.hashes(n)
+        t = time.perf_counter()
+        pins = await self.a.allocate(n)
+        for p in pins:
+            self.a.slot_view(p.slot).copy_(self.source)
+        await self.a.commit([CommitEntry(p, h) for p, h in zip(pins, hs, strict=True)],
+                            self.dest)
+        got = await self.b.await_blocks([common_pb2.BlockRef(hash=h) for h in hs], timeout=120)
+        for p in got:
+            out.copy_(self.b.slot_view(p.slot))
+        await self.b.release([p.pin_id for p in got])
+        return time.perf_counter() - t
+
+
+async def _run(sizes: list[int], quick: bool) -> list[dict[str, float]]:
+    capacity = 2 * max(sizes) + 64
+    (pa, addr_a), (pb, addr_b) = _start_kvd(capacity), _start_kvd(capacity)
+    sink, sink_port = _spawn(["-c", _SINK])
+    a, b = KvdClient(addr_a, "bench-a"), KvdClient(addr_b, "bench-b")
+    try:
+        await a.register(LAYOUT)
+        await b.register(LAYOUT)
+        pair = KvdPair(a, b, common_pb2.KvdEndpoint(node_id=addr_b, address=addr_b))
+        await pair.kvd_once(1)  # warm-up: endpoints, channels
+        out = torch.empty(LAYOUT.shape, dtype=torch.bfloat16)
+        rows = []
+        for n in sizes:
+            reps = 20 if n == 1 else (3 if quick or n >= 256 else 5)
+            kvd = [await pair.kvd_once(n) for _ in range(reps)]
+            e2e = [await pair.e2e_once(n, out) for _ in range(reps)]
+            nbytes = n * MIB
+            rows.append({
+                "batch_bytes": nbytes,
+                "memcpy_gbps": bench_memcpy(n, reps),
+                "kvd_gbps": nbytes / statistics.median(kvd) / 1e9,
+                "grpc_gbps": await bench_grpc(f"127.0.0.1:{sink_port}", n, min(reps, 5)),
+                "e2e_gbps": nbytes / statistics.median(e2e) / 1e9,
+                "kvd_latency_ms": statistics.median(kvd) * 1e3,
+            })
+        return rows
+    finally:
+        await a.close()
+        await b.close()
+        for p in (pa, pb, sink):
+            p.terminate()
+            p.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="also print one JSON line per batch")
+    ap.add_argument("--quick", action="store_true", help="batches of 1, 16, 64 MiB; fewer reps")
+    args = ap.parse_args(argv)
+    sizes = [1, 16, 64] if args.quick else [1, 64, 512]
+    # Engine-side block copies are 1 MiB each: intra-op threads only add contention (on a busy
+    # 2-core host, 40x slower copies).
+    torch.set_num_threads(1)
+    rows = asyncio.run(_run(sizes, args.quick))
+    print(f"{'batch':>8} {'memcpy':>8} {'kvd':>8} {'grpc':>8} {'e2e':>8} {'kvd lat':>10}"
+          f" {'kvd/memcpy':>10} {'kvd/grpc':>9}")
+    for r in rows:
+        print(f"{r['batch_bytes'] // MIB:>5}MiB {r['memcpy_gbps']:>8.2f} {r['kvd_gbps']:>8.2f} "
+              f"{r['grpc_gbps']:>8.2f} {r['e2e_gbps']:>8.2f} {r['kvd_latency_ms']:>8.2f}ms "
+              f"{r['kvd_gbps'] / r['memcpy_gbps']:>10.2f} {r['kvd_gbps'] / r['grpc_gbps']:>9.2f}")
+    print("(GB/s; kvd = commit with push until present at B; e2e = engine write -> read)")
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
