@@ -7,7 +7,9 @@ import logging
 import signal
 import sys
 
+from pdserve import env
 from pdserve.log import setup_logging
+from pdserve.telemetry import init_tracing
 
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewayConfig
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"pdserve gateway: error: {exc}\n")
         return 2
     setup_logging("gateway")
+    init_tracing("gateway", env.otel_endpoint())
     try:
         asyncio.run(serve(config, keys))
     except OSError as exc:

@@ -8,6 +8,7 @@ expects: 400 bad params (``param`` names the field), 401 key, 404 model, 429 quo
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,10 +76,7 @@ def from_rpc_error(exc: grpc.aio.AioRpcError) -> ApiError:
     message = exc.details() or code.name
     param = None
     if status == 400:
-        # The router names the field first ("max_tokens: must be >= 1").
-        head = message.split(":", 1)[0]
-        param = head if head.replace(".", "_").replace("[", "").replace("]", "").isidentifier() \
-            else None
+        param = openai_param(message)
     elif status == 404:
         param = "model"
     headers = {}
@@ -86,6 +84,23 @@ def from_rpc_error(exc: grpc.aio.AioRpcError) -> ApiError:
         if key == "retry-after":
             headers["Retry-After"] = str(value)
     return ApiError(status, message, kind, param, err_code, headers)
+
+
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*)[: ]")
+# The router names contract fields; clients know OpenAI's names.
+_RENAMES = (("sampling.", ""), ("chat.messages", "messages"), ("prompt_token_ids", "prompt"))
+
+
+def openai_param(message: str) -> str | None:
+    """The field a router message starts with ("sampling.top_p: ..."), in OpenAI's terms."""
+    match = _FIELD.match(message)
+    if match is None:
+        return None
+    field = match.group(1)
+    for prefix, replacement in _RENAMES:
+        if field.startswith(prefix):
+            field = replacement + field[len(prefix):]
+    return field or None
 
 
 def from_validation(exc: ValidationError) -> ApiError:

@@ -82,11 +82,11 @@ def usage_of(choices: Sequence[Choice], n: int) -> dict[str, object]:
 class Generation:
     """The router calls of one request, read as one interleaved stream."""
 
-    def __init__(self, client: RouterClient, requests: Sequence[router_pb2.GenerateRequest]
-                 ) -> None:
+    def __init__(self, client: RouterClient, metadata: tuple[tuple[str, str], ...],
+                 requests: Sequence[router_pb2.GenerateRequest]) -> None:
         self.start_time = time.perf_counter()
         self.first_token_time: float | None = None
-        self.calls: list[GenerateCall] = [client.generate(r) for r in requests]
+        self.calls: list[GenerateCall] = [client.generate(r, metadata) for r in requests]
         self._firsts: list[router_pb2.GenerateResponse | None] = []
 
     async def start(self) -> None:

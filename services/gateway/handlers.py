@@ -20,7 +20,9 @@ from typing import Any
 import grpc
 from fastapi import Request, Response
 from fastapi.responses import StreamingResponse
+from opentelemetry import propagate, trace
 from pdserve.log import fields
+from pdserve.telemetry import outbound_metadata
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
@@ -34,6 +36,7 @@ from services.gateway.router_client import RouterClient
 from services.gateway.schema import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer("pdserve.gateway")
 Api = CompletionRequest | ChatCompletionRequest
 _STATUS_499 = 499  # nginx's "client closed request": nobody reads it, metrics do
 
@@ -46,8 +49,9 @@ class _StreamEnd:
     """Runs once however a stream ends, even one whose body never started (a client gone before
     the first byte): cancels the router calls and records the request."""
 
-    def __init__(self, gw: Gateway, gen: Generation, endpoint: str, start: float) -> None:
-        self.gw, self.gen, self.endpoint, self.start = gw, gen, endpoint, start
+    def __init__(self, gw: Gateway, gen: Generation, endpoint: str, start: float,
+                 span: trace.Span) -> None:
+        self.gw, self.gen, self.endpoint, self.start, self.span = gw, gen, endpoint, start, span
         self.status = _STATUS_499  # until the stream says otherwise
         self.ended = False
 
@@ -58,7 +62,7 @@ class _StreamEnd:
         self.gen.cancel()
         if self.status == _STATUS_499:
             self.gw.metrics.disconnects.inc()
-        self.gw._record(self.endpoint, self.status, self.start)
+        self.gw._record(self.endpoint, self.status, self.start, self.span)
 
 
 class _SSEResponse(StreamingResponse):
@@ -85,16 +89,21 @@ class Gateway:
     async def handle(self, request: Request, endpoint: str, model_cls: type[Api]) -> Response:
         start = time.perf_counter()
         self.metrics.in_flight.inc()
+        # A server span continuing the client's W3C traceparent; its context rides on the
+        # router calls' metadata. A stream's span ends with the stream.
+        span = _tracer.start_span(f"POST {request.scope['path']}", kind=trace.SpanKind.SERVER,
+                                  context=propagate.extract(request.headers))
         try:
-            response = await self._respond(request, model_cls, start)
+            with trace.use_span(span, end_on_exit=False):
+                response = await self._respond(request, model_cls, start)
         except ClientGone:
             self.metrics.disconnects.inc()
             response = Response(status_code=_STATUS_499)
         except BaseException:
-            self._record(endpoint, 500, start)
+            self._record(endpoint, 500, start, span)
             raise
         if not isinstance(response, _SSEResponse):  # a stream records itself when it ends
-            self._record(endpoint, response.status_code, start)
+            self._record(endpoint, response.status_code, start, span)
         return response
 
     async def _respond(self, request: Request, model_cls: type[Api], start: float
@@ -123,7 +132,8 @@ class Gateway:
         chat = isinstance(req, ChatCompletionRequest)
         rid = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
         model = await self._router_model(req.model)
-        gen = Generation(self.client, req.router_requests(
+        trace.get_current_span().set_attribute("pdserve.request_id", rid)
+        gen = Generation(self.client, outbound_metadata(), req.router_requests(
             model, inputs, req.completion_limit, req.num_logprobs, rid,
             tenant if self.keys.enabled else (req.user or "")))
         created = int(time.time())
@@ -136,7 +146,8 @@ class Gateway:
             if req.stream:
                 writer = shapes.ChunkWriter(rid, created, req.model, chat, req.include_usage,
                                             logprobs)
-                end = _StreamEnd(self, gen, "chat" if chat else "completions", start)
+                end = _StreamEnd(self, gen, "chat" if chat else "completions", start,
+                                 trace.get_current_span())
                 body = self._stream(gen, writer, num_choices, req.n, req.include_usage, end)
                 return _SSEResponse(body, end, {**_SSE_HEADERS, "x-request-id": rid})
         except BaseException:
@@ -216,7 +227,9 @@ class Gateway:
         if gen.ttft is not None:
             self.metrics.ttft.labels(endpoint).observe(gen.ttft)
 
-    def _record(self, endpoint: str, status: int, start: float) -> None:
+    def _record(self, endpoint: str, status: int, start: float, span: trace.Span) -> None:
+        span.set_attribute("http.response.status_code", status)
+        span.end()
         self.metrics.in_flight.dec()
         self.metrics.requests.labels(endpoint, str(status)).inc()
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
@@ -283,4 +296,5 @@ def _cancel_on_disconnect(request: Request) -> Iterator[None]:
     finally:
         active = False
         watcher.cancel()
+
 

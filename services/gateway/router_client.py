@@ -29,9 +29,10 @@ class RouterClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._default_model: str | None = None
 
-    def generate(self, request: router_pb2.GenerateRequest) -> GenerateCall:
+    def generate(self, request: router_pb2.GenerateRequest,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> GenerateCall:
         """Start one streamed generation; read it with ``await call.read()``."""
-        return self._stub.Generate(request, timeout=self.timeout)
+        return self._stub.Generate(request, timeout=self.timeout, metadata=metadata or None)
 
     async def list_models(self, timeout: float = 5.0) -> list[router_pb2.ModelInfo]:
         reply = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout)

@@ -8,6 +8,7 @@ The prompt (or a chat's last message) picks the script:
     "midfail"   two tokens, then INTERNAL
     "abort"     one token, then finish_reason ABORT
     "hang"      placement and one token, then waits until cancelled (recorded in ``cancelled``)
+    "hangfirst" waits until cancelled before sending anything
     anything    the reply REPLY one token a message, honouring max_tokens, stop and seed
 
 Unknown models get NOT_FOUND. Every request is recorded in ``requests``.
@@ -47,6 +48,7 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
     def __init__(self) -> None:
         self.requests: list[router_pb2.GenerateRequest] = []
         self.cancelled: list[str] = []
+        self.metadata: list[dict[str, str]] = []
 
     async def ListModels(self, request: Any, context: Any) -> router_pb2.ListModelsResponse:
         return router_pb2.ListModelsResponse(
@@ -55,6 +57,8 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
     async def Generate(self, req: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> Any:
         self.requests.append(req)
+        self.metadata.append({k: v for k, v in context.invocation_metadata() or ()
+                              if isinstance(v, str)})
         if req.model != MODEL:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model: {req.model!r} is not served")
         text = prompt_text(req)
@@ -65,6 +69,8 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance")
         if text == "badparam":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be <= 4096")
+        if text == "hangfirst":
+            await self._wait_cancelled(req)
         placement = router_pb2.Placement(prefill_instance="p0", decode_instance="d0",
                                          prompt_tokens=prompt_len(req))
         yield router_pb2.GenerateResponse(placement=placement)
@@ -76,13 +82,16 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
             if text == "abort":
                 yield router_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_ABORT)
                 return
-            try:
-                await asyncio.sleep(60)
-            except asyncio.CancelledError:
-                self.cancelled.append(req.meta.request_id)
-                raise
+            await self._wait_cancelled(req)
         async for msg in self._reply(req):
             yield msg
+
+    async def _wait_cancelled(self, req: router_pb2.GenerateRequest) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled.append(req.meta.request_id)
+            raise
 
     async def _reply(self, req: router_pb2.GenerateRequest) -> Any:
         s = req.sampling

@@ -174,3 +174,12 @@ def test_models(stack: Stack) -> None:
     models = stack.client().models.list()
     assert [(m.id, m.object, m.owned_by) for m in models] == [(MODEL, "model", "pdserve")]
 
+
+
+def test_trace_context_reaches_the_router(http: httpx.Client, stack: Stack) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"},
+                     headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+    assert resp.status_code == 200
+    assert resp.headers["x-request-id"] == resp.json()["id"]
+    assert stack.router.metadata[-1]["traceparent"].split("-")[1] == trace_id

@@ -164,6 +164,11 @@ def test_disconnect_cancels_router_call(stack: Stack, http: httpx.Client) -> Non
     with pytest.raises(httpx.ReadTimeout):  # non-streaming: the client gives up waiting
         http.post("/v1/completions", json={"model": MODEL, "prompt": "hang"}, timeout=0.3)
     _wait_cancelled(stack, before + 2)
+    for stream in (False, True):  # gone while the router has not answered at all
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", timeout=0.3,
+                      json={"model": MODEL, "prompt": "hangfirst", "stream": stream})
+    _wait_cancelled(stack, before + 4)
     deadline = time.monotonic() + 5  # nothing leaks: every request ended and was recorded
     while "pdserve_gateway_in_flight 0.0" not in (metrics := http.get("/metrics").text):
         assert time.monotonic() < deadline, "in-flight gauge did not return to 0"

@@ -68,8 +68,14 @@ def _rpc_error(code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, s
 
 
 @pytest.mark.parametrize(("code", "details", "status", "param"), [
-    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k: must be >= -1", 400, "sampling.top_k"),
-    (grpc.StatusCode.INVALID_ARGUMENT, "prompt is too long (9000 tokens)", 400, None),
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k: must be >= -1", 400, "top_k"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens must be >= 1, got 0", 400,
+     "max_tokens"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "chat.messages[1].role: 'x' is not one of", 400,
+     "messages[1].role"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: 4097 tokens, more than 4096", 400,
+     "prompt"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "-- no field here", 400, None),
     (grpc.StatusCode.NOT_FOUND, "no such model", 404, "model"),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "quota", 429, None),
     (grpc.StatusCode.UNAVAILABLE, "no capacity", 503, None),
