@@ -38,6 +38,10 @@ def create_app(gw: Gateway) -> FastAPI:
     async def models(request: Request) -> Response:
         return await gw.models(request)
 
+    @app.get("/v1/models/{model_id}", summary="One served model (404 if not served)")
+    async def model(request: Request, model_id: str) -> Response:
+        return await gw.models(request, model_id)
+
     @app.get("/health", summary="200 when the router answers its health check, else 503")
     async def health() -> Response:
         return await gw.health()

@@ -135,7 +135,7 @@ class Gateway:
         trace.get_current_span().set_attribute("pdserve.request_id", rid)
         gen = Generation(self.client, outbound_metadata(), req.router_requests(
             model, inputs, req.completion_limit, req.num_logprobs, rid,
-            tenant if self.keys.enabled else (req.user or "")))
+            tenant if self.keys.enabled else (req.user or "")), start)
         created = int(time.time())
         logprobs = req.num_logprobs is not None
         try:
@@ -234,7 +234,8 @@ class Gateway:
         self.metrics.requests.labels(endpoint, str(status)).inc()
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
 
-    async def models(self, request: Request) -> Response:
+    async def models(self, request: Request, model_id: str | None = None) -> Response:
+        """``/v1/models``, or one model (404 when not served) for ``/v1/models/{model_id}``."""
         try:
             self.keys.tenant(request.headers.get("authorization"))
             infos = await self.client.list_models()
@@ -245,8 +246,14 @@ class Gateway:
         data = [{"id": (self.config.model_name if i == 0 and self.config.model_name else m.id),
                  "object": "model", "created": 0, "owned_by": "pdserve",
                  "max_model_len": m.max_context} for i, m in enumerate(infos)]
-        return Response(shapes.dumps({"object": "list", "data": data}),
-                        media_type="application/json")
+        if model_id is None:
+            return Response(shapes.dumps({"object": "list", "data": data}),
+                            media_type="application/json")
+        found = next((m for m in data if m["id"] == model_id), None)
+        if found is None:
+            return error_response(ApiError(404, f"model: {model_id!r} is not served", param="model",
+                                           code="model_not_found"))
+        return Response(shapes.dumps(found), media_type="application/json")
 
     async def health(self) -> Response:
         ok = await self.client.check()

@@ -4,6 +4,8 @@ what the gateway forwards to the router (sampling, tenant, inputs)."""
 from __future__ import annotations
 
 import httpx
+import openai
+import pytest
 
 from services.gateway.auth import default_tenant
 from tests.gateway.conftest import KEY, TEAM_KEY, Stack
@@ -173,6 +175,9 @@ def test_open_gateway_tenant_from_user_and_model_alias(stack: Stack) -> None:
 def test_models(stack: Stack) -> None:
     models = stack.client().models.list()
     assert [(m.id, m.object, m.owned_by) for m in models] == [(MODEL, "model", "pdserve")]
+    assert stack.client().models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        stack.client().models.retrieve("gpt-9")
 
 
 
