@@ -10,7 +10,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,10 +170,10 @@ def _drain(stream: Any) -> None:
     threading.Thread(target=lambda: [None for _ in stream], daemon=True).start()
 
 
-@contextlib.contextmanager
-def processes(*procs: Proc) -> Iterator[tuple[Proc, ...]]:
-    try:
-        yield procs
-    finally:
-        for p in reversed(procs):
-            p.stop()
+def stop_all(procs: list[Proc]) -> None:
+    """SIGTERM every process at once, then wait (each stops gracefully in parallel)."""
+    for p in procs:
+        if p.popen.poll() is None:
+            p.popen.send_signal(signal.SIGTERM)
+    for p in procs:
+        p.stop()

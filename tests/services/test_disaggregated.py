@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from pdserve.proto.v1 import common_pb2, engine_pb2, kvd_pb2, kvd_pb2_grpc
 from pdserve.sampling_params import SamplingParams
 
 from tests.conftest import RedisServer
-from tests.services.harness import Client, Proc, start_service, tokens_of
+from tests.services.harness import Client, Proc, start_service, stop_all, tokens_of
 
 MAX_TOKENS = 10
 PROMPTS = {"short": [(5 * i) % 250 + 2 for i in range(7)],
@@ -60,8 +61,7 @@ def _start_cluster(model: str, redis_url: str) -> Iterator[Cluster]:
                                    f"{model}-d0", "--kvd-timeout", "3", *common))
         yield Cluster(model, *procs)  # type: ignore[arg-type]
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stop_all(procs)
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
@@ -190,11 +190,16 @@ async def test_blocks_that_never_arrive_fail_with_deadline_exceeded(cluster: Clu
     prompt = [(19 * i) % 250 + 2 for i in range(40)]  # never prefilled anywhere
     fingerprint = llm(cluster.model).engine.config.fingerprint
     refs = [common_pb2.BlockRef(hash=h, checksum=1) for h in hash_blocks(prompt, 16, fingerprint)]
-    fake = engine_pb2.PrefillResponse(first_token_id=5, blocks=refs)
-    async with grpc.aio.insecure_channel(cluster.decode.address) as dch:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            # The client allows 20 s: the decode's own --kvd-timeout (3 s) must end it.
-            await Client(dch).decode(f"{cluster.model}-lost", prompt, 4, prefilled=fake,
-                                     timeout=20)
+    with socket.socket() as blackhole:  # a "kvd" that accepts connections and never answers
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(8)
+        source = common_pb2.KvdEndpoint(node_id="ghost",
+                                        address=f"127.0.0.1:{blackhole.getsockname()[1]}")
+        fake = engine_pb2.PrefillResponse(first_token_id=5, blocks=refs, source=source)
+        async with grpc.aio.insecure_channel(cluster.decode.address) as dch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                # The client allows 20 s: the decode's own --kvd-timeout (3 s) must end it.
+                await Client(dch).decode(f"{cluster.model}-lost", prompt, 4, prefilled=fake,
+                                         timeout=20)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await assert_nothing_held(cluster)
