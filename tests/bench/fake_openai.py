@@ -2,7 +2,8 @@
 
 Requests are answered in turn by a cyclic ``schedule`` of behaviours:
 ``ok`` (a good SSE stream), ``500``, ``429``, ``broken`` (the connection is cut mid-stream),
-``hang`` (first token never comes). Run as a script it is a stand-in for ``pdserve up``: it
+``hang`` (first token never comes), ``silent`` (tokens whose text is empty), ``empty`` (no
+token at all). Run as a script it is a stand-in for ``pdserve up``: it
 prints ``pdserve ready: <url>`` and stops on SIGINT/SIGTERM.
 """
 
@@ -52,11 +53,14 @@ class FakeServer:
         if behaviour == "hang":
             await asyncio.sleep(3600)
         await asyncio.sleep(self.ttft_s)
-        max_tokens = int(body["max_tokens"])
+        max_tokens = 0 if behaviour == "empty" else int(body["max_tokens"])
+        if behaviour == "empty":  # a finish chunk and no token at all
+            await _send(resp, {"object": "chunk",
+                               "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]})
         sent = 0
         while sent < max_tokens:
             n = min(self.tokens_per_chunk, max_tokens - sent)
-            text = " tok" * n
+            text = "" if behaviour == "silent" else " tok" * n
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0,
                                                                              "text": text}
             choice["finish_reason"] = "length" if sent + n == max_tokens else None

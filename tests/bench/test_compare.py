@@ -183,7 +183,7 @@ def test_report_from_a_synthetic_pair(tmp_path: Path) -> None:
     missed = _pair(base_itl=(50, 100), cand_itl=(40, 40), base_ttft=(200, 1500))
     v = judge(missed, run)
     assert (v.rate, v.met) == (1.0, False) and v.reduction == pytest.approx(0.2)
-    assert "**MISSED** by 30.0% points" in v.sentence(missed.comparison)
+    assert "**MISSED** by 30.0 percentage points" in v.sentence(missed.comparison)
     json_path, md_path = write_report([missed], run, "pdserve bench compare", tmp_path)
     data = json.loads(json_path.read_text())
     conf = data["comparisons"][0]["configurations"]

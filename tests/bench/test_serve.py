@@ -81,6 +81,16 @@ async def test_tokens_batched_in_chunks_and_completions_api(counting: str) -> No
         assert r.tpot_s == pytest.approx(sum(r.itls_s) / (r.tokens_out - 1))
 
 
+async def test_tokens_without_text_and_streams_without_tokens() -> None:
+    server = FakeServer(("silent", "empty"))
+    async for url in _serve(server):
+        (run,) = await run_load_async(Target(base_url=url), _load(num_requests=2))
+    silent, empty = sorted(run.results, key=lambda r: r.error or "")
+    assert silent.is_ok and silent.tokens_out in {b["max_tokens"] for b in server.bodies}
+    assert silent.ttft_s is not None and silent.ttft_s >= 0.02 and silent.itls_s == ()
+    assert empty.error == "no_tokens" and empty.tokens_out == 0
+
+
 async def test_multiturn_turns_wait_and_extend_the_conversation() -> None:
     server = FakeServer()
     async for url in _serve(server):

@@ -8,7 +8,8 @@ Tokens per chunk (OpenAI streams do not say it directly), first rule that applie
    the increase since the previous chunk;
 3. the choice has non-empty text (``delta.content`` / ``text``) -> 1.
 The final ``usage`` chunk (``stream_options.include_usage``), when sent, gives the request's
-true token counts, which win over the chunk count for ``tokens_out``. Over gRPC each message's
+true token counts, which win over the chunk count for ``tokens_out``; if it reports tokens but
+no chunk carried text, they are counted as arriving with the finish chunk. Over gRPC each message's
 ``token_ids`` is exact.
 """
 
@@ -158,6 +159,7 @@ class HttpClient(Client):
 
     async def _read_sse(self, resp: httpx.Response, record: StreamRecord) -> None:
         done = finished = False
+        finish_time: float | None = None
         async for line in resp.aiter_lines():
             now = time.perf_counter()
             if not line.startswith("data:"):
@@ -178,13 +180,19 @@ class HttpClient(Client):
                 record.fail("stream_error", json.dumps(chunk["error"]))
                 return
             n, text, fin = parse_chunk(chunk, self.api, record.completion_tokens)
-            finished = finished or fin
+            if fin and not finished:
+                finished, finish_time = True, now
             record.events.append((now, n))
             if text:
                 record.text_parts.append(text)
             _take_usage(chunk.get("usage"), record)
         if not (done or finished):
             record.fail("broken_stream", "stream ended without finish_reason or [DONE]")
+        elif finish_time is not None and record.completion_tokens and not any(
+                n for _, n in record.events):
+            # Tokens whose text is empty (e.g. a partial UTF-8 sequence at the end) send no
+            # content chunk; the client first learns of them with the finish chunk.
+            record.events.append((finish_time, record.completion_tokens))
 
     async def close(self) -> None:
         await self.http.aclose()

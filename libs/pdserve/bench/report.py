@@ -55,12 +55,14 @@ class Verdict:
             return f"**NOT MEASURED** at {self.rate:g} req/s: a side has no {cmp.metric} ({target})"
         b, c = self.baseline_value, self.candidate_value
         ratio = (b / c) if b and c else math.inf
+        change = (f"{self.reduction:.1%} lower" if self.reduction >= 0
+                  else f"{-self.reduction:.1%} higher")
         head = (f"{cmp.candidate} {cmp.metric} = {c:.1f} ms vs {cmp.baseline} {b:.1f} ms at "
-                f"{self.rate:g} req/s: {self.reduction:.1%} lower ({ratio:.2f}x), {target}")
+                f"{self.rate:g} req/s: {change} ({ratio:.2f}x lower), {target}")
         if self.met:
             return f"**MET** — {head}."
-        short = cmp.min_reduction - self.reduction
-        return f"**MISSED** by {short:.1%} points — {head}."
+        short = 100 * (cmp.min_reduction - self.reduction)
+        return f"**MISSED** by {short:.1f} percentage points — {head}."
 
 
 def ttft_attainment(run: RunResult, slo_ttft_ms: float) -> float:
