@@ -87,6 +87,8 @@ class LLM:
                 logprobs[out.request_id] += out.logprobs or []
                 if out.finished:
                     done[out.request_id] = (out.finish_reason or "stop", out.stop_text)
+        if not self.engine.has_unfinished():
+            self.engine.check_integrity()  # idle: every page is free or cached
         results = []
         for rid, prompt, p in zip(ids, prompts, plist, strict=True):
             reason, stop_text = done[rid]

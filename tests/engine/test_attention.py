@@ -89,3 +89,26 @@ def test_get_backend_rejects_unknown_name() -> None:
 def test_auto_is_torch_on_cpu() -> None:
     backend = get_backend("auto", kv_caches=[torch.zeros(1, 2, 4, 1, 8)])
     assert type(backend).__name__ == "TorchBackend"
+
+
+def test_cpu_engine_never_imports_flashinfer() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    libs = Path(__file__).resolve().parents[2] / "libs"
+    code = (f"import sys; sys.path.insert(0, {str(libs)!r})\n"
+            "from pdserve import LLM, SamplingParams\n"
+            "llm = LLM('tiny', num_blocks=16)\n"
+            "llm.generate('hi', SamplingParams(max_tokens=2))\n"
+            "assert 'flashinfer' not in sys.modules, 'flashinfer imported'\n"
+            "print(type(llm.engine.runner.backend).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "TorchBackend"
+
+
+def test_flashinfer_needs_cuda() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        get_backend("flashinfer", kv_caches=[torch.zeros(1, 2, 4, 1, 8)], num_qo_heads=2)

@@ -89,3 +89,19 @@ def test_abort_of_held_request_releases_pages() -> None:
     assert a.abort("p0")
     assert a.kv.pool.num_used == 0
     a.check_integrity()
+
+
+def test_pages_held_by_prefill_only_requests_are_reported_not_hung() -> None:
+    import pytest
+
+    a = make_engine(num_blocks=4)
+    _prefill(a, random_prompts([40], seed=13))   # holds 3 of 4 pages
+    a.add_request("next", random_prompts([40], seed=14)[0], GREEDY)
+    with pytest.raises(RuntimeError, match="held by 1 prefill_only"):
+        a.step()
+    a.release("p0")
+    finished = []
+    while a.has_unfinished():
+        finished += [o.request_id for o in a.step() if o.finished]
+    assert finished == ["next"]
+    a.check_integrity()
