@@ -101,12 +101,14 @@ def _section(service: str, *flags: Flag) -> tuple[Flag, ...]:
 LOG_FORMAT_VAR = "PDSERVE_LOG_FORMAT"  # text | json
 LOG_LEVEL_VAR = "PDSERVE_LOG_LEVEL"  # debug | info | warning | error
 OTEL_ENDPOINT_VAR = "PDSERVE_OTEL_ENDPOINT"  # OTLP/gRPC collector; unset = traces stay local
+PROFILE_DIR_VAR = "PDSERVE_PROFILE_DIR"  # write a cProfile file per process here on exit
 REDIS_URL_VAR = "REDIS_URL"  # the prefix index and registry; PDSERVE_REDIS_URL also accepted
 
 COMMON_VARS: dict[str, Kind] = {
     LOG_FORMAT_VAR: LOG_FORMAT,
     LOG_LEVEL_VAR: LOG_LEVEL,
     OTEL_ENDPOINT_VAR: STR,
+    PROFILE_DIR_VAR: STR,
 }
 
 
@@ -296,3 +298,8 @@ def log_level(environ: Mapping[str, str] | None = None) -> str:
 def otel_endpoint(environ: Mapping[str, str] | None = None) -> str:
     environ = os.environ if environ is None else environ
     return environ.get(OTEL_ENDPOINT_VAR, "")
+
+
+def profile_dir(environ: Mapping[str, str] | None = None) -> str:
+    environ = os.environ if environ is None else environ
+    return environ.get(PROFILE_DIR_VAR, "")

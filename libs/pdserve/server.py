@@ -121,11 +121,29 @@ def run_main(name: str, build: Callable[[list[str] | None], Any],
         await serve(name, config.host, svc, metrics_port=config.metrics_port)
 
     try:
-        asyncio.run(_run())
+        _profiled(name, lambda: asyncio.run(_run()))
     except OSError as exc:
         sys.stderr.write(f"pdserve {name}: error: {exc}\n")
         return 1
     return 0
+
+
+def _profiled(name: str, fn: Callable[[], None]) -> None:
+    """Run ``fn``, under cProfile when ``PDSERVE_PROFILE_DIR`` is set (``bench compare
+    --profile``): one ``<service>-<pid>.prof`` file per process, written on exit."""
+    directory = env.profile_dir()
+    if not directory:
+        fn()
+        return
+    import cProfile
+    import os
+
+    profiler = cProfile.Profile()
+    try:
+        profiler.runcall(fn)
+    finally:
+        os.makedirs(directory, exist_ok=True)
+        profiler.dump_stats(os.path.join(directory, f"{name}-{os.getpid()}.prof"))
 
 
 def config_from_flags(cls: Any, service: str, argv: list[str] | None) -> Any:
