@@ -91,7 +91,10 @@ class Generation:
 
     async def start(self) -> None:
         """Wait for every call's first message: an error status raises before any output."""
-        results = await asyncio.gather(*(c.read() for c in self.calls))
+        if len(self.calls) == 1:  # the common case, without gather's tasks
+            results = [await self.calls[0].read()]
+        else:
+            results = await asyncio.gather(*(c.read() for c in self.calls))
         self._firsts = [None if m is grpc.aio.EOF else m for m in results]
 
     def cancel(self) -> None:

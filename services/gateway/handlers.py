@@ -72,8 +72,17 @@ class _SSEResponse(StreamingResponse):
         self.end = end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Starlette's own loop runs a task group per response to notice a disconnect; one
+        # watcher that cancels this task does the same for less (the stream is the hot path).
         try:
-            await super().__call__(scope, receive, send)
+            with _cancel_on_disconnect(receive):
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for chunk in self.body_iterator:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except ClientGone:
+            pass
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             self.end()
@@ -139,7 +148,7 @@ class Gateway:
         created = int(time.time())
         logprobs = req.num_logprobs is not None
         try:
-            with _cancel_on_disconnect(request):
+            with _cancel_on_disconnect(request.receive):
                 await gen.start()
                 if not req.stream:
                     choices = await collect(gen, num_choices)
@@ -225,14 +234,12 @@ class Gateway:
         usage: dict[str, Any] = shapes.usage_of(choices, n)
         self.metrics.count_tokens(usage["prompt_tokens"], usage["completion_tokens"])
         if gen.ttft is not None:
-            self.metrics.ttft.labels(endpoint).observe(gen.ttft)
+            self.metrics.observe_ttft(endpoint, gen.ttft)
 
     def _record(self, endpoint: str, status: int, start: float, span: trace.Span) -> None:
         span.set_attribute("http.response.status_code", status)
         span.end()
-        self.metrics.in_flight.dec()
-        self.metrics.requests.labels(endpoint, str(status)).inc()
-        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+        self.metrics.record(endpoint, status, time.perf_counter() - start)
 
     async def models(self, request: Request, model_id: str | None = None) -> Response:
         """``/v1/models``, or one model (404 when not served) for ``/v1/models/{model_id}``."""
@@ -271,21 +278,21 @@ def error_response(err: ApiError) -> Response:
                     headers=err.headers)
 
 
-async def _until_disconnected(request: Request) -> None:
+async def _until_disconnected(receive: Receive) -> None:
     # After the body is read, the next ASGI message is the disconnect (or nothing).
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
 @contextlib.contextmanager
-def _cancel_on_disconnect(request: Request) -> Iterator[None]:
+def _cancel_on_disconnect(receive: Receive) -> Iterator[None]:
     """Run the block; if the client goes away meanwhile, cancel it and raise ClientGone.
 
     One watcher task, and the block runs in the request's own task (no task per await).
     """
     task = asyncio.current_task()
     assert task is not None
-    watcher = asyncio.ensure_future(_until_disconnected(request))
+    watcher = asyncio.ensure_future(_until_disconnected(receive))
     active = True
 
     def on_disconnect(done: asyncio.Future[None]) -> None:

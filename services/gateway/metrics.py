@@ -3,6 +3,8 @@ several gateways in one process without colliding on the global registry)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Latency buckets from 1 ms (the hot path's budget) to minutes (long generations).
@@ -31,6 +33,24 @@ class GatewayMetrics:
                                    registry=r)
         self._prompt = self.tokens.labels("prompt")
         self._completion = self.tokens.labels("completion")
+        # labels() costs microseconds a call: the few children in use are looked up once.
+        self._children: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
+
+    def record(self, endpoint: str, status: int, seconds: float) -> None:
+        """One finished request (also leaves the in-flight count)."""
+        children = self._children.get((endpoint, status))
+        if children is None:
+            children = (self.requests.labels(endpoint, str(status)),
+                        self.latency.labels(endpoint), self.ttft.labels(endpoint))
+            self._children[(endpoint, status)] = children
+        children[0].inc()
+        children[1].observe(seconds)
+        self.in_flight.dec()
+
+    def observe_ttft(self, endpoint: str, seconds: float) -> None:
+        children = self._children.get((endpoint, 200))
+        ttft = children[2] if children is not None else self.ttft.labels(endpoint)
+        ttft.observe(seconds)
 
     def count_tokens(self, prompt: int, completion: int) -> None:
         self._prompt.inc(prompt)
