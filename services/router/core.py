@@ -38,9 +38,21 @@ from services.router.model import ModelSpec
 from services.router.policy import Choice, RouteQuery, RoutingPolicy
 from services.router.prefix import IndexClient
 from services.router.quotas import QuotaBook, QuotaExceeded
-from services.router.requests import Limits, RouteError, prepare
+from services.router.requests import Limits, Prepared, RouteError, prepare
 
 log = logging.getLogger(__name__)
+
+# Above this many prompt characters or token ids, preparing runs in a worker thread.
+HEAVY_PROMPT = 4096
+
+
+def _is_heavy(request: router_pb2.GenerateRequest) -> bool:
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return len(request.prompt) > HEAVY_PROMPT
+    if kind == "chat":
+        return sum(len(m.content) for m in request.chat.messages) > HEAVY_PROMPT
+    return kind == "prompt_token_ids" and len(request.prompt_token_ids.ids) > HEAVY_PROMPT
 
 
 @dataclass
@@ -97,7 +109,10 @@ class Router:
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream the answer to ``request``; raises ``RouteError`` for a status to return."""
         arrived = time.perf_counter()
-        prepared = prepare(request, self.model, self.limits)
+        if _is_heavy(request):  # tokenizing and hashing a long prompt must not stall the loop
+            prepared, hashes = await asyncio.to_thread(self._prepare, request)
+        else:
+            prepared, hashes = self._prepare(request)
         tenant = prepared.meta.tenant
         cost = len(prepared.prompt_ids) + prepared.sampling.max_tokens
         if self.num_in_flight >= self.max_concurrent:
@@ -117,7 +132,8 @@ class Router:
         metrics.IN_FLIGHT.inc()
         self.counters.num_requests += 1
         try:
-            await self._look_up(flow)
+            flow.query = RouteQuery(len(prepared.prompt_ids), self.block_size, len(hashes),
+                                    await self.index.lookup(hashes))
             async for message in self._run(flow):
                 yield message
             flow.is_finished = True
@@ -130,11 +146,11 @@ class Router:
             span.set_attribute("pdserve.completion_tokens", flow.num_tokens_sent)
             span.end()
 
-    async def _look_up(self, flow: Flow) -> None:
-        fingerprint, ids = self.model.fingerprint, flow.prepared.prompt_ids
-        hashes = hash_blocks(ids, self.block_size, fingerprint, flow.prepared.meta.cache_salt)
-        held = await self.index.lookup(hashes)
-        flow.query = RouteQuery(len(ids), self.block_size, len(hashes), held)
+    def _prepare(self, request: router_pb2.GenerateRequest) -> tuple[Prepared, list[bytes]]:
+        prepared = prepare(request, self.model, self.limits)
+        hashes = hash_blocks(prepared.prompt_ids, self.block_size, self.model.fingerprint,
+                             prepared.meta.cache_salt)
+        return prepared, hashes
 
     async def _run(self, flow: Flow) -> AsyncIterator[router_pb2.GenerateResponse]:
         prefills = self.pool.healthy(common_pb2.ROLE_PREFILL)

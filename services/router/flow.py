@@ -14,11 +14,12 @@ from services.router.instances import Instance, InstancePool
 from services.router.policy import Choice, RouteQuery, RoutingPolicy
 from services.router.requests import Prepared, RouteError
 
-# Worth another instance: it was busy, down, or broke. Anything else (INVALID_ARGUMENT, ...)
-# would fail the same way elsewhere and goes back to the client as it is.
+# Worth another instance: it was busy, down, broke, or no longer in that role (a flex engine
+# that switched: FAILED_PRECONDITION). Anything else (INVALID_ARGUMENT, ...) would fail the
+# same way elsewhere and goes back to the client as it is.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-                       grpc.StatusCode.ABORTED})
+                       grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION})
 
 
 @dataclass

@@ -115,9 +115,10 @@ class InstancePool:
         return [i for i in self.instances.values() if i.is_healthy and i.role == role]
 
     def mark_failed(self, instance: Instance, code: grpc.StatusCode | None) -> None:
-        """A request saw ``instance`` fail; UNAVAILABLE takes it out until a poll finds it up."""
+        """A request saw ``instance`` fail. Down (UNAVAILABLE) or in another role than known
+        (FAILED_PRECONDITION) takes it out until a poll finds it up and learns its role."""
         instance.num_errors += 1
-        if code in (grpc.StatusCode.UNAVAILABLE, None):
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION, None):
             if instance.is_healthy:
                 log.warning("instance left the rotation", extra={"fields": {
                     "instance": instance.instance_id, "code": str(code)}})

@@ -22,7 +22,8 @@ PROMPT = list(range(10, 10 + 16 * 3))
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  grpc.StatusCode.UNAVAILABLE])
+                                  grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.FAILED_PRECONDITION])
 async def test_prefill_failure_moves_to_another_instance(cluster: Cluster, code) -> None:
     a, b = await cluster.engine("A", "prefill"), await cluster.engine("B", "prefill")
     d = await cluster.engine("D", "decode")
@@ -33,7 +34,7 @@ async def test_prefill_failure_moves_to_another_instance(cluster: Cluster, code)
     assert len(a.seen.prefills) == 1 and len(b.seen.prefills) == 1
     by_id = {i.instance_id: i for i in router.pool.instances.values()}
     assert by_id["A"].num_errors == 1
-    # Busy is not down; UNAVAILABLE takes A out of the rotation until the next poll.
+    # Busy is not down; down or in another role takes A out of the rotation until a poll.
     assert by_id["A"].is_healthy == (code == grpc.StatusCode.RESOURCE_EXHAUSTED)
     await router.poll()
     assert by_id["A"].is_healthy

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from pdserve.hashing import hash_blocks
@@ -44,6 +46,30 @@ async def test_text_and_chat_prompts_are_tokenized(cluster: Cluster) -> None:
     _ = [m async for m in client.stub.Generate(chat, timeout=10)]
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert list(p.seen.prefills[1].prompt_token_ids) == tok.encode(text, add_special_tokens=False)
+
+
+async def test_long_prompt_is_prepared_off_the_event_loop(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    router, client = await cluster.router([p], [d])
+    offloaded = []
+    original = asyncio.to_thread
+
+    async def counting_to_thread(fn, *args):  # type: ignore[no-untyped-def]
+        offloaded.append(fn.__name__)
+        return await original(fn, *args)
+
+    monkeypatch.setattr(asyncio, "to_thread", counting_to_thread)
+    await client.generate(prompt="short")
+    assert offloaded == []
+    text = "the quick brown fox " * 250  # above HEAVY_PROMPT characters: a worker thread
+    await client.generate(prompt=text)
+    assert offloaded == ["_prepare"]
+    tok = cluster.spec.tokenizer
+    assert tok is not None
+    ids = tok.encode(text)
+    assert list(p.seen.prefills[1].prompt_token_ids) == ids
+    assert router.cluster_state().num_prompt_blocks == len(ids) // 16
 
 
 async def test_cache_aware_picks_the_prefill_node_holding_the_prefix(cluster: Cluster) -> None:

@@ -36,7 +36,7 @@ class InstantEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServi
                     engine_pb2_grpc.EngineServicer):
     """Answers at once: all the time measured is RPC and routing, none is model work."""
 
-    def __init__(self, name: str, role: int, num_tokens: int) -> None:
+    def __init__(self, name: str, role: common_pb2.Role, num_tokens: int) -> None:
         self.name, self.role, self.num_tokens = name, role, num_tokens
 
     async def Prefill(self, request: Any, context: Any) -> engine_pb2.PrefillResponse:  # noqa: N802
