@@ -12,6 +12,7 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
+from pdserve.log import fields
 from pdserve.server import Service, make_server
 
 from services.gateway.app import FastPath, create_app
@@ -79,9 +80,10 @@ class GatewayServer:
         await self._grpc.set_serving(True)
         if not self.keys.enabled:
             log.warning("no API keys configured: serving without authentication")
-        log.info("serving", extra={"fields": {"http_port": self.http_port,
-                                              "grpc_port": self.grpc_port,
-                                              "router": config.router, "keys": len(self.keys)}})
+        instance = config.instance_id or f"{config.host}:{self.http_port}"
+        log.info("serving", extra=fields(instance=instance, http_port=self.http_port,
+                                         grpc_port=self.grpc_port, router=config.router,
+                                         keys=len(self.keys)))
 
     @property
     def ready_line(self) -> str:
