@@ -168,7 +168,3 @@ async def collect(gen: Generation, num_choices: int) -> list[Choice]:
             raise ApiError(502, "the router's stream ended without a finish reason",
                            "server_error", code="incomplete")
     return choices
-
-
-def is_rpc_error(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.aio.AioRpcError)

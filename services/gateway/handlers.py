@@ -8,23 +8,19 @@ router calls; a router error after the stream started becomes an SSE error event
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from fastapi import Request, Response
-from fastapi.responses import StreamingResponse
 from opentelemetry import propagate, trace
 from pdserve.log import fields
 from pdserve.telemetry import outbound_metadata
 from pydantic import ValidationError
-from starlette.types import Receive, Scope, Send
 
 from services.gateway import responses as shapes
 from services.gateway.auth import KeyStore
@@ -34,15 +30,12 @@ from services.gateway.generate import Choice, Generation, collect
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router_client import RouterClient
 from services.gateway.schema import ChatCompletionRequest, CompletionRequest
+from services.gateway.sse import SSE_HEADERS, ClientGone, SSEResponse, cancel_on_disconnect
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("pdserve.gateway")
 Api = CompletionRequest | ChatCompletionRequest
 _STATUS_499 = 499  # nginx's "client closed request": nobody reads it, metrics do
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its answer was ready."""
 
 
 class _StreamEnd:
@@ -63,29 +56,6 @@ class _StreamEnd:
         if self.status == _STATUS_499:
             self.gw.metrics.disconnects.inc()
         self.gw._record(self.endpoint, self.status, self.start, self.span)
-
-
-class _SSEResponse(StreamingResponse):
-    def __init__(self, body: AsyncIterator[bytes], end: _StreamEnd, headers: dict[str, str]
-                 ) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=headers)
-        self.end = end
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # Starlette's own loop runs a task group per response to notice a disconnect; one
-        # watcher that cancels this task does the same for less (the stream is the hot path).
-        try:
-            with _cancel_on_disconnect(receive):
-                await send({"type": "http.response.start", "status": self.status_code,
-                            "headers": self.raw_headers})
-                async for chunk in self.body_iterator:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except ClientGone:
-            pass
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            self.end()
 
 
 @dataclass
@@ -111,7 +81,7 @@ class Gateway:
         except BaseException:
             self._record(endpoint, 500, start, span)
             raise
-        if not isinstance(response, _SSEResponse):  # a stream records itself when it ends
+        if not isinstance(response, SSEResponse):  # a stream records itself when it ends
             self._record(endpoint, response.status_code, start, span)
         return response
 
@@ -148,7 +118,7 @@ class Gateway:
         created = int(time.time())
         logprobs = req.num_logprobs is not None
         try:
-            with _cancel_on_disconnect(request.receive):
+            with cancel_on_disconnect(request.receive):
                 await gen.start()
                 if not req.stream:
                     choices = await collect(gen, num_choices)
@@ -158,7 +128,7 @@ class Gateway:
                 end = _StreamEnd(self, gen, "chat" if chat else "completions", start,
                                  trace.get_current_span())
                 body = self._stream(gen, writer, num_choices, req.n, req.include_usage, end)
-                return _SSEResponse(body, end, {**_SSE_HEADERS, "x-request-id": rid})
+                return SSEResponse(body, end, {**SSE_HEADERS, "x-request-id": rid})
         except BaseException:
             gen.cancel()
             raise
@@ -270,45 +240,6 @@ class Gateway:
                         media_type="application/json")
 
 
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
 def error_response(err: ApiError) -> Response:
     return Response(err.json_bytes(), status_code=err.status, media_type="application/json",
                     headers=err.headers)
-
-
-async def _until_disconnected(receive: Receive) -> None:
-    # After the body is read, the next ASGI message is the disconnect (or nothing).
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-@contextlib.contextmanager
-def _cancel_on_disconnect(receive: Receive) -> Iterator[None]:
-    """Run the block; if the client goes away meanwhile, cancel it and raise ClientGone.
-
-    One watcher task, and the block runs in the request's own task (no task per await).
-    """
-    task = asyncio.current_task()
-    assert task is not None
-    watcher = asyncio.ensure_future(_until_disconnected(receive))
-    active = True
-
-    def on_disconnect(done: asyncio.Future[None]) -> None:
-        if active and not done.cancelled():
-            task.cancel()
-
-    watcher.add_done_callback(on_disconnect)
-    try:
-        yield
-    except asyncio.CancelledError:
-        if watcher.done() and not watcher.cancelled():
-            task.uncancel()
-            raise ClientGone() from None
-        raise
-    finally:
-        active = False
-        watcher.cancel()
-
-
