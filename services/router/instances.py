@@ -52,6 +52,9 @@ class Instance:
     num_inflight_decodes: int = 0
     num_routed: int = 0
     num_errors: int = 0
+    # Engines report recent throughput, which is load as much as speed (an idle engine shows
+    # ~0): the fastest rate an instance has shown is the better estimate of what it can do.
+    peak_prefill_tokens_per_s: float = 0.0
     channel: grpc.aio.Channel | None = None
     prefill: Any = None  # engine_pb2_grpc.PrefillStub
     decode: Any = None  # engine_pb2_grpc.DecodeStub
@@ -84,6 +87,8 @@ class Instance:
 
     def apply_stats(self, stats: engine_pb2.EngineStats) -> None:
         self.stats = stats
+        self.peak_prefill_tokens_per_s = max(self.peak_prefill_tokens_per_s,
+                                             stats.prefill_tokens_per_s)
         self.role = stats.role or self.role  # a flex engine may have switched
         self.instance_id = stats.instance_id or self.instance_id
         self.model = stats.model or self.model

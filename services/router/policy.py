@@ -22,7 +22,8 @@ from typing import Any, NamedTuple, TypeVar
 
 from services.router.instances import Instance
 
-# Used until an engine reports measured rates (a cold engine reports 0).
+# The floor of the prefill rate estimate: engines report recent throughput (idle ones ~0), so
+# an instance is credited with the fastest rate it has shown, and at least this.
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
 # Moving one block between two kvds; pushes overlap prefill, so this is a tie-breaker scale.
 TRANSFER_S_PER_BLOCK = 1e-4
@@ -126,7 +127,7 @@ class CacheAware(RoutingPolicy):
 
     @staticmethod
     def ttft(query: RouteQuery, prefill: Instance, decode: Instance | None) -> float:
-        rate = prefill.stats.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
+        rate = max(prefill.peak_prefill_tokens_per_s, DEFAULT_PREFILL_TOKENS_PER_S)
         hit = cached_blocks(query, prefill)
         uncached = query.num_prompt_tokens - hit * query.block_size
         queued = max(prefill.num_inflight_prefill_tokens,
