@@ -8,7 +8,15 @@ import pytest
 from pdserve.proto.v1 import common_pb2, engine_pb2
 
 from services.router.instances import Instance
-from services.router.policy import CacheAware, LeastLoad, RoundRobin, RouteQuery, make_policy
+from services.router.policy import (
+    CacheAware,
+    Choice,
+    LeastLoad,
+    RoundRobin,
+    RouteQuery,
+    RoutingPolicy,
+    make_policy,
+)
 
 P, D = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE
 
@@ -34,17 +42,24 @@ def query(held: dict[str, int] | None, num_blocks: int = 8) -> RouteQuery:
     return RouteQuery(num_blocks * 16 + 5, 16, num_blocks, held)
 
 
+def pick(policy: RoutingPolicy, q: RouteQuery, prefills: list[Instance],
+         decodes: list[Instance]) -> Choice:
+    choice = policy.choose(q, prefills, decodes)
+    assert choice is not None
+    return choice
+
+
 async def test_cache_aware_weighs_prefix_queue_and_rate(made: list[Instance]) -> None:
     a, b = _inst(made, "A", P, "na"), _inst(made, "B", P, "nb")
     d = _inst(made, "D", D, "nd")
     policy = CacheAware()
     assert policy.choose(query({"nb": 6}), [a, b], [d]) == (b, d, 6)
     b.num_inflight_prefill_tokens = 5000  # B is busy: 6 cached blocks are not worth the wait
-    assert policy.choose(query({"nb": 6}), [a, b], [d]).prefill is a
+    assert pick(policy, query({"nb": 6}), [a, b], [d]).prefill is a
     b.num_inflight_prefill_tokens = 0
     a.apply_stats(engine_pb2.EngineStats(queue_depth=2, prefill_tokens_per_s=50000))
     b.apply_stats(engine_pb2.EngineStats(queue_depth=2))  # idle-looking: the floor rate
-    assert policy.choose(query(None), [a, b], [d]).prefill is a  # A has shown it is faster
+    assert pick(policy, query(None), [a, b], [d]).prefill is a  # A has shown it is faster
     assert a.peak_prefill_tokens_per_s == 50000
 
 
@@ -53,11 +68,11 @@ async def test_cache_aware_decode_by_room_then_load_then_locality(made: list[Ins
     far = _inst(made, "D1", D, "n2")
     near = _inst(made, "D2", D, "n1")  # shares P's node: nothing to transfer
     policy = CacheAware()
-    assert policy.choose(query({}), [p], [far, near]).decode is near
+    assert pick(policy, query({}), [p], [far, near]).decode is near
     near.apply_stats(engine_pb2.EngineStats(num_running=3, kv_blocks_free=1000))
-    assert policy.choose(query({}), [p], [far, near]).decode is far  # load before locality
+    assert pick(policy, query({}), [p], [far, near]).decode is far  # load before locality
     far.apply_stats(engine_pb2.EngineStats(kv_blocks_free=4))  # no room for 8 blocks
-    assert policy.choose(query({}), [p], [far, near]).decode is near
+    assert pick(policy, query({}), [p], [far, near]).decode is near
     assert policy.choose(query({}), [p], []) is None
 
 
