@@ -145,12 +145,16 @@ class Proc:
                 self.popen.wait()
 
 
-def start_service(service: str, *args: str) -> Proc:
-    """``python -m services.<service> --port 0 ...``; waits for the ready line."""
+def spawn_service(service: str, *args: str) -> subprocess.Popen[str]:
+    """``python -m services.<service> --port 0 ...`` (not yet ready: see ``wait_ready``)."""
     cmd = [sys.executable, "-m", f"services.{service}", "--host", "127.0.0.1", "--port", "0",
            *args]
-    popen = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def wait_ready(service: str, popen: subprocess.Popen[str]) -> Proc:
+    """Parse the ready line for the bound port."""
     assert popen.stdout is not None and popen.stderr is not None
     line = popen.stdout.readline()
     match = READY.search(line)
@@ -162,6 +166,24 @@ def start_service(service: str, *args: str) -> Proc:
     for stream in (popen.stdout, popen.stderr):
         _drain(stream)
     return Proc(service, popen, int(match.group(3)))
+
+
+def start_service(service: str, *args: str) -> Proc:
+    return wait_ready(service, spawn_service(service, *args))
+
+
+def start_services(*specs: tuple[str, ...]) -> list[Proc]:
+    """Start several services at once (model loading overlaps); ``(service, *flags)`` each."""
+    popens = [(spec[0], spawn_service(*spec)) for spec in specs]
+    procs: list[Proc] = []
+    try:
+        for service, popen in popens:
+            procs.append(wait_ready(service, popen))
+    except BaseException:
+        for _, popen in popens:
+            popen.kill()
+        raise
+    return procs
 
 
 def _drain(stream: Any) -> None:

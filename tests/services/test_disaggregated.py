@@ -24,7 +24,7 @@ from pdserve.proto.v1 import common_pb2, engine_pb2, kvd_pb2, kvd_pb2_grpc
 from pdserve.sampling_params import SamplingParams
 
 from tests.conftest import RedisServer
-from tests.services.harness import Client, Proc, start_service, stop_all, tokens_of
+from tests.services.harness import Client, Proc, start_services, stop_all, tokens_of
 
 MAX_TOKENS = 10
 PROMPTS = {"short": [(5 * i) % 250 + 2 for i in range(7)],
@@ -49,16 +49,14 @@ class Cluster:
 def _start_cluster(model: str, redis_url: str) -> Iterator[Cluster]:
     procs: list[Proc] = []
     try:
-        for _ in range(2):
-            procs.append(start_service("kvd", "--capacity-mib", "32", "--redis-url", redis_url))
+        procs += start_services(*[("kvd", "--capacity-mib", "32", "--redis-url", redis_url)] * 2)
         kvd_a, kvd_b = procs
         common = ["--model", model, "--redis-url", redis_url, *ENGINE_FLAGS]
-        procs.append(start_service("prefill", "--kvd", kvd_a.address, "--instance-id",
-                                   f"{model}-p0", *common))
-        procs.append(start_service("prefill", "--kvd", kvd_a.address, "--instance-id",
-                                   f"{model}-p1", *common))
-        procs.append(start_service("decode", "--kvd", kvd_b.address, "--instance-id",
-                                   f"{model}-d0", "--kvd-timeout", "3", *common))
+        procs += start_services(
+            ("prefill", "--kvd", kvd_a.address, "--instance-id", f"{model}-p0", *common),
+            ("prefill", "--kvd", kvd_a.address, "--instance-id", f"{model}-p1", *common),
+            ("decode", "--kvd", kvd_b.address, "--instance-id", f"{model}-d0",
+             "--kvd-timeout", "3", *common))
         yield Cluster(model, *procs)  # type: ignore[arg-type]
     finally:
         stop_all(procs)
@@ -143,6 +141,7 @@ async def test_prefill_then_decode_gives_the_offline_and_transformers_tokens(
     await assert_nothing_held(cluster)
 
 
+@pytest.mark.parametrize("cluster", ["tiny"], indirect=True)  # MoE: the parity test
 async def test_shared_prefix_computes_only_new_tokens(cluster: Cluster) -> None:
     prefix = [(17 * i) % 250 + 2 for i in range(64)]
     first_prompt, second_prompt = prefix + [3, 4, 5], prefix + [9, 8, 7, 6, 5, 4, 3]
@@ -159,6 +158,7 @@ async def test_shared_prefix_computes_only_new_tokens(cluster: Cluster) -> None:
     await assert_nothing_held(cluster)
 
 
+@pytest.mark.parametrize("cluster", ["tiny"], indirect=True)  # MoE: the parity test
 async def test_ten_concurrent_requests_finish_and_leak_nothing(cluster: Cluster) -> None:
     prompts = [[(7 * i + j) % 250 + 2 for j in range(5 + 9 * i)] for i in range(10)]
     results = await asyncio.gather(*[
@@ -169,6 +169,7 @@ async def test_ten_concurrent_requests_finish_and_leak_nothing(cluster: Cluster)
     await assert_nothing_held(cluster)
 
 
+@pytest.mark.parametrize("cluster", ["tiny"], indirect=True)  # MoE: the parity test
 async def test_cancelled_decode_frees_its_blocks(cluster: Cluster) -> None:
     prompt = PROMPTS["many_blocks"]
     rid = f"{cluster.model}-cancel"
@@ -186,6 +187,7 @@ async def test_cancelled_decode_frees_its_blocks(cluster: Cluster) -> None:
     await assert_nothing_held(cluster)
 
 
+@pytest.mark.parametrize("cluster", ["tiny"], indirect=True)  # MoE: the parity test
 async def test_blocks_that_never_arrive_fail_with_deadline_exceeded(cluster: Cluster) -> None:
     prompt = [(19 * i) % 250 + 2 for i in range(40)]  # never prefilled anywhere
     fingerprint = llm(cluster.model).engine.config.fingerprint
