@@ -7,7 +7,6 @@ import sys
 from pdserve.env import otel_endpoint
 from pdserve.server import Service, make_server, run_main
 from pdserve.telemetry import init_tracing
-
 from services.router.config import RouterConfig
 from services.router.core import Router
 from services.router.instances import InstancePool

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry.context import Context
+
 from pdserve.hashing import hash_blocks
 from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
-
 from services.router import metrics
 from services.router.flow import Flow, relay_decode, run_prefill
 from services.router.instances import Instance, InstancePool
@@ -140,7 +140,10 @@ class Router:
         finally:
             self.num_in_flight -= 1
             metrics.IN_FLIGHT.dec()
-            self.quotas.release(tenant, prepared.sampling.max_tokens - flow.num_tokens_sent)
+            # A request that failed before its first token gets its whole charge back.
+            unused = (cost if not flow.is_finished and flow.num_tokens_sent == 0
+                      else prepared.sampling.max_tokens - flow.num_tokens_sent)
+            self.quotas.release(tenant, unused)
             if not flow.is_finished:
                 self._abort(flow)
             span.set_attribute("pdserve.completion_tokens", flow.num_tokens_sent)

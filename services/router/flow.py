@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
 
+from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
 from services.router import metrics
 from services.router.instances import Instance, InstancePool
 from services.router.policy import Choice, RouteQuery, RoutingPolicy

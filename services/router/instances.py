@@ -18,10 +18,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from redis.exceptions import RedisError
+
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.registry import InstanceRecord, list_instances
 from pdserve.server import GRPC_OPTIONS
-from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 # reconnect backoff grows to two minutes.
 CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+# How long requests in flight on an instance that left the registry may still finish.
+EXPIRED_GRACE_S = 60.0
 ROLE_BY_NAME = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE,
                 "colocated": common_pb2.ROLE_COLOCATED, "flex": common_pb2.ROLE_UNSPECIFIED}
 
@@ -95,9 +98,10 @@ class Instance:
         if stats.kvd.node_id:
             self.kvd_node_id, self.kvd_address = stats.kvd.node_id, stats.kvd.address
 
-    async def close(self) -> None:
+    async def close(self, grace: float | None = None) -> None:
+        """Close the channel; with ``grace``, calls in flight get that long to finish."""
         if self.channel is not None:
-            await self.channel.close()
+            await self.channel.close(grace)
 
 
 class InstancePool:
@@ -110,6 +114,7 @@ class InstancePool:
         self.registry_prefix = registry_prefix
         self.check_timeout = check_timeout
         self.instances: dict[str, Instance] = {}
+        self._closing: set[asyncio.Task[None]] = set()
         self.is_registry_available = redis is not None
         for role, addresses in ((common_pb2.ROLE_PREFILL, static_prefill),
                                 (common_pb2.ROLE_DECODE, static_decode)):
@@ -135,7 +140,10 @@ class InstancePool:
         await asyncio.gather(*(self._check(i) for i in list(self.instances.values())))
 
     async def close(self) -> None:
-        await asyncio.gather(*(i.close() for i in self.instances.values()))
+        for task in self._closing:
+            task.cancel()
+        await asyncio.gather(*(i.close() for i in self.instances.values()), *self._closing,
+                             return_exceptions=True)
 
     async def _refresh_registry(self) -> None:
         try:
@@ -161,7 +169,10 @@ class InstancePool:
                 log.info("instance expired from the registry",
                          extra={"fields": {"instance": inst.instance_id}})
                 del self.instances[address]
-                await inst.close()
+                # Its requests in flight may finish: a lost heartbeat is not a dead engine.
+                task = asyncio.create_task(inst.close(grace=EXPIRED_GRACE_S))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
 
     async def _check(self, inst: Instance) -> None:
         try:

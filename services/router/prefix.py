@@ -14,9 +14,9 @@ import logging
 from collections.abc import Sequence
 from typing import Protocol
 
-from pdserve.index.base import IndexUnavailable
 from redis.exceptions import RedisError
 
+from pdserve.index.base import IndexUnavailable
 from services.router import metrics
 
 log = logging.getLogger(__name__)

@@ -7,9 +7,9 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+
 from pdserve.proto.v1 import common_pb2, router_pb2
 from pdserve.sampling_params import SamplingParams
-
 from services.router.model import ModelSpec
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")

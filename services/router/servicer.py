@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 
+from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 from services.router import metrics
 from services.router.core import Router
 from services.router.requests import RouteError

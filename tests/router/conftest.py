@@ -8,8 +8,8 @@ from typing import Any
 
 import grpc
 import pytest
-from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 
+from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 from services.router.__main__ import create_server
 from services.router.config import RouterConfig
 from services.router.core import Router

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 ROLES = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE,

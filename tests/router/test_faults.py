@@ -9,11 +9,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from pdserve import telemetry
 from pdserve.hashing import hash_blocks
 from pdserve.index import IndexUnavailable, NodeRecord, RedisPrefixIndex
 from pdserve.proto.v1 import common_pb2
-
 from services.router import metrics
 from tests.conftest import RedisServer, free_port
 from tests.router.conftest import Cluster, request
@@ -257,3 +257,15 @@ async def test_router_concurrency_limit_answers_retry_after(cluster: Cluster) ->
     await _eventually(lambda: d.seen.cancelled != [])
     d.decode_hang = False
     assert len(await client.generate(ids=PROMPT)) == 4  # the slot came back
+
+
+async def test_failed_request_gets_its_quota_back(cluster: Cluster, tmp_path: Path) -> None:
+    quotas = tmp_path / "quotas.json"
+    quotas.write_text(json.dumps({"default": {"tokens_per_minute": 60, "burst_tokens": 100}}))
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    p.prefill_errors = [grpc.StatusCode.INVALID_ARGUMENT]
+    _, client = await cluster.router([p], [d], quotas_file=str(quotas))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.generate(ids=[1] * 50, max_tokens=40)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await client.generate(ids=[1] * 50, max_tokens=40)  # 90 of 100 again: nothing was kept

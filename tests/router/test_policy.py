@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from pdserve.proto.v1 import common_pb2, engine_pb2
 
+from pdserve.proto.v1 import common_pb2, engine_pb2
 from services.router.instances import Instance
 from services.router.policy import (
     CacheAware,

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
+
 from pdserve.registry import (
     InstanceRecord,
     deregister_instance,
@@ -13,7 +14,6 @@ from pdserve.registry import (
     list_instances,
     register_instance,
 )
-
 from tests.router.conftest import Cluster
 
 

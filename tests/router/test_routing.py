@@ -6,9 +6,9 @@ import asyncio
 
 import grpc
 import pytest
+
 from pdserve.hashing import hash_blocks
 from pdserve.proto.v1 import common_pb2, router_pb2
-
 from tests.router.conftest import Cluster, request
 from tests.router.fakes import FakeIndex
 

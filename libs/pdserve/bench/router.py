@@ -21,92 +21,16 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
+
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[3]
 READY = re.compile(r"listening on ([\w.\[\]:-]+):(\d+)")
-
-
-class InstantEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer,
-                    engine_pb2_grpc.EngineServicer):
-    """Answers at once: all the time measured is RPC and routing, none is model work."""
-
-    def __init__(self, name: str, role: common_pb2.Role, num_tokens: int) -> None:
-        self.name, self.role, self.num_tokens = name, role, num_tokens
-
-    async def Prefill(self, request: Any, context: Any) -> engine_pb2.PrefillResponse:  # noqa: N802
-        return engine_pb2.PrefillResponse(first_token_id=1, text="a")
-
-    async def Decode(self, request: Any, context: Any,  # noqa: N802
-                     ) -> AsyncIterator[engine_pb2.DecodeChunk]:
-        for i in range(self.num_tokens):
-            last = i == self.num_tokens - 1
-            yield engine_pb2.DecodeChunk(
-                token_ids=[2 + i], text="b",
-                finish_reason=(common_pb2.FINISH_REASON_LENGTH if last
-                               else common_pb2.FINISH_REASON_UNSPECIFIED))
-
-    async def Stats(self, request: Any, context: Any) -> engine_pb2.EngineStats:  # noqa: N802
-        return engine_pb2.EngineStats(instance_id=self.name, role=self.role, model="tiny",
-                                      kv_blocks_free=100000)
-
-    async def Abort(self, request: Any, context: Any) -> engine_pb2.AbortResponse:  # noqa: N802
-        return engine_pb2.AbortResponse(found=False)
-
-
-class BareRelay(router_pb2_grpc.RouterServicer):
-    """The least a router can do (Prefill, then relay Decode; no checks, no choice): the cost
-    of the extra grpc.aio hop itself, to tell it apart from the router's own work."""
-
-    def __init__(self, prefill: str, decode: str) -> None:
-        self.prefill = engine_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(prefill))
-        self.decode = engine_pb2_grpc.DecodeStub(grpc.aio.insecure_channel(decode))
-
-    async def Generate(self, request: Any, context: Any,  # noqa: N802
-                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        ids, sampling = list(request.prompt_token_ids.ids), request.sampling
-        first = await self.prefill.Prefill(engine_pb2.PrefillRequest(
-            prompt_token_ids=ids, sampling=sampling))
-        yield router_pb2.GenerateResponse(token_ids=[first.first_token_id], text=first.text)
-        async for chunk in self.decode.Decode(engine_pb2.DecodeRequest(
-                prompt_token_ids=ids, sampling=sampling, first_token_id=first.first_token_id)):
-            yield router_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text,
-                                              finish_reason=chunk.finish_reason)
-
-
-async def _serve_relay(prefill: str, decode: str) -> None:
-    server = grpc.aio.server()
-    router_pb2_grpc.add_RouterServicer_to_server(BareRelay(prefill, decode), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    print(f"relay listening on 127.0.0.1:{port}", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-
-
-async def _serve_engines(num_tokens: int) -> None:
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-    ports, servers = [], []  # servers kept referenced: a collected grpc.aio server stops
-    for name, role in (("prefill-0", common_pb2.ROLE_PREFILL),
-                       ("decode-0", common_pb2.ROLE_DECODE)):
-        server = grpc.aio.server()
-        servers.append(server)
-        engine = InstantEngine(name, role, num_tokens)
-        engine_pb2_grpc.add_PrefillServicer_to_server(engine, server)
-        engine_pb2_grpc.add_DecodeServicer_to_server(engine, server)
-        engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
-        checker = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-        ports.append(server.add_insecure_port("127.0.0.1:0"))
-        await server.start()
-        await checker.set("", health_pb2.HealthCheckResponse.SERVING)
-    print(f"engines listening on 127.0.0.1:{ports[0]} 127.0.0.1:{ports[1]}", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until parent exits
 
 
 def _spawn(argv: list[str], log: Path, timeout: float = 60.0) -> tuple[subprocess.Popen[str], str]:
@@ -243,8 +167,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, default=3.0, help="throughput phase length")
     parser.add_argument("--policy", default="cache_aware")
     parser.add_argument("--no-gateway", action="store_true")
-    parser.add_argument("--serve-engines", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--serve-relay", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--no-index", action="store_true",
+                        help="router without Redis (no index round trip), to price that trip")
     args = parser.parse_args(argv)
     for name in ("requests", "tokens", "prompt_tokens", "concurrency"):
         if getattr(args, name) < 1:
@@ -254,12 +178,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    if args.serve_engines:
-        asyncio.run(_serve_engines(args.tokens))
-        return 0
-    if args.serve_relay:
-        asyncio.run(_serve_relay(*args.serve_relay))
-        return 0
     import tempfile
 
     logs = Path(tempfile.mkdtemp(prefix="pdserve-bench-router-"))
@@ -285,18 +203,20 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, logs: Path,
          children: list[subprocess.Popen[str]]) -> dict[str, Any]:
     py = sys.executable
-    proc, line = _spawn([py, "-m", "pdserve.bench.router", "--serve-engines",
-                         "--tokens", str(args.tokens)], logs / "engines.log")
+    proc, line = _spawn([py, "-m", "pdserve.bench.router_servers", "engines", str(args.tokens)],
+                        logs / "engines.log")
     children.append(proc)
     engines = tuple(line.split("listening on ")[1].split())
     router_argv = [py, "-m", "services.router", "--port", "0", "--model", "tiny",
                    "--policy", args.policy, "--prefill", engines[0], "--decode", engines[1]]
     redis_note = "no redis-server on PATH: no index lookup"
-    if shutil.which("redis-server"):
+    if args.no_index:
+        redis_note = "--no-index: no index lookup"
+    elif shutil.which("redis-server"):
         children.append(_start_redis(logs / "redis.sock", logs / "redis.log"))
         router_argv += ["--redis-url", f"unix://{logs / 'redis.sock'}"]
         redis_note = "private redis-server (unix socket)"
-    proc, line = _spawn([py, "-m", "pdserve.bench.router", "--serve-relay", *engines],
+    proc, line = _spawn([py, "-m", "pdserve.bench.router_servers", "relay", *engines],
                         logs / "relay.log")
     children.append(proc)
     relay = line.split("listening on ")[1].strip()
