@@ -4,7 +4,7 @@ exactly the tokens a single engine produces."""
 from __future__ import annotations
 
 import torch
-from helpers import GREEDY, make_engine, random_prompts, run_all
+from tests.engine.helpers import GREEDY, make_engine, random_prompts, run_all
 from pdserve.hashing import hash_blocks
 from pdserve.sampling_params import SamplingParams
 

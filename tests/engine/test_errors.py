@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import make_engine
+from tests.engine.helpers import make_engine
 from pdserve.engine.cli import generate_main
 from pdserve.engine.config import EngineArgs
 from pdserve.llm import LLM

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import make_engine, random_prompts
+from tests.engine.helpers import make_engine, random_prompts
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.llm import LLM
