@@ -1,0 +1,110 @@
+"""``pdserve up`` as a real process tree for end-to-end tests: start, parse what it prints,
+find its children, stop it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_PROC_LINE = re.compile(r"^  (\S+)\s+([\d.]+):(\d+)$")
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{ROOT}:{ROOT / 'libs'}"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("REDIS_URL", None)  # every stack gets its own private redis-server
+    return env
+
+
+@dataclass
+class UpStack:
+    """One ``pdserve up`` and the addresses it printed."""
+
+    args: list[str]
+    proc: subprocess.Popen[str] | None = None
+    addresses: dict[str, str] = field(default_factory=dict)
+    base_url: str = ""
+    router: str = ""
+    redis_url: str = ""
+    lines: list[str] = field(default_factory=list)
+
+    def start(self, timeout: float = 240.0) -> UpStack:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", *self.args], cwd=ROOT,
+            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        ready = threading.Event()
+        threading.Thread(target=self._read, args=(ready,), daemon=True).start()
+        if not ready.wait(timeout):
+            self.stop()
+            tail = "\n".join(self.lines[-30:])
+            raise RuntimeError(f"pdserve up not ready in {timeout}s; output:\n{tail}")
+        return self
+
+    def _read(self, ready: threading.Event) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.rstrip("\n")
+            self.lines.append(line)
+            if m := _PROC_LINE.match(line):
+                self.addresses[m.group(1)] = f"{m.group(2)}:{m.group(3)}"
+            elif line.startswith("pdserve router: "):
+                self.router = line.split(": ", 1)[1]
+            elif line.startswith("pdserve redis: "):
+                self.redis_url = line.split(": ", 1)[1]
+            elif line.startswith("pdserve ready: "):
+                self.base_url = line.split(": ", 1)[1]
+                ready.set()
+
+    def pid_listening(self, service: str, port: int) -> int:
+        """The pid of ``services.<service>`` started with ``--port <port>`` (or redis-server)."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            text = [a.decode(errors="replace") for a in argv]
+            if service == "redis":  # redis-server rewrites its title to "redis-server host:port"
+                if any("redis-server" in a and a.endswith(f":{port}") for a in text):
+                    return int(entry.name)
+            elif any(f"services.{service}" in a for a in text) and str(port) in text:
+                return int(entry.name)
+        raise LookupError(f"no {service} process on port {port}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def wait_until(check, timeout: float, interval: float = 0.25):  # type: ignore[no-untyped-def]
+    """Call ``check`` until it returns a truthy value or raises nothing; return that value."""
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001 - retried until the deadline, then re-raised
+            last = exc
+        time.sleep(interval)
+    if last is not None:
+        raise last
+    raise TimeoutError(f"condition not met within {timeout}s")
