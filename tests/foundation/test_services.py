@@ -40,6 +40,8 @@ def _start(service: str) -> tuple[subprocess.Popen[str], int]:
     args = [sys.executable, "-m", f"services.{service}", "--host", "127.0.0.1", "--port", "0"]
     if service == "gateway":
         args += ["--grpc-port", "0"]
+    if service == "router":  # a router needs somewhere to route: one static (absent) engine
+        args += ["--decode", "127.0.0.1:1"]
     proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
