@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
+
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
 from pdserve.models import LoadedModel, load_model

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from pdserve.attention import get_backend
 from pdserve.attention.base import AttentionMetadata
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import Request

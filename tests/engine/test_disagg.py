@@ -4,17 +4,21 @@ exactly the tokens a single engine produces."""
 from __future__ import annotations
 
 import torch
-from tests.engine.helpers import GREEDY, make_engine, random_prompts, run_all
+
+from pdserve.engine.engine import Engine
+from pdserve.engine.request import RequestOutput
 from pdserve.hashing import hash_blocks
 from pdserve.sampling_params import SamplingParams
+from tests.engine.helpers import GREEDY, make_engine, random_prompts, run_all
 
 
-def _prefill(engine, prompts):
+def _prefill(engine: Engine, prompts: list[list[int]]
+             ) -> list[tuple[RequestOutput, list[tuple[bytes, int]]]]:
     """Run prefill_only requests; returns per request (first token, streamed blocks, final)."""
     for i, p in enumerate(prompts):
         engine.add_request(f"p{i}", p, GREEDY, prefill_only=True)
     streamed: dict[str, list[tuple[bytes, int]]] = {f"p{i}": [] for i in range(len(prompts))}
-    finals = {}
+    finals: dict[str, RequestOutput] = {}
     while engine.has_unfinished():
         for out in engine.step():
             streamed[out.request_id] += out.new_full_blocks
@@ -34,6 +38,7 @@ def test_prefill_export_import_decode_equals_single_engine() -> None:
     wires = []
     for p, (final, streamed) in zip(prompts, results, strict=True):
         assert final.finish_reason == "stop" and len(final.new_token_ids) == 1
+        assert final.block_hashes is not None and final.page_ids is not None
         assert final.block_hashes == hash_blocks(p, 16, a.config.fingerprint)
         assert list(zip(final.block_hashes, final.page_ids, strict=True)) == streamed
         # The wire buffer may be any memory, e.g. a view of a shared-memory segment.
@@ -51,7 +56,7 @@ def test_prefill_export_import_decode_equals_single_engine() -> None:
 
     b = make_engine(num_blocks=64)
     got = []
-    for p, (hashes, data, first) in (zip(prompts, wires, strict=True)):
+    for p, (hashes, data, first) in zip(prompts, wires, strict=True):
         assert b.import_blocks(hashes, data) == len(hashes)
         assert b.import_blocks(hashes, data) == 0  # already cached
         before = b.stats()

@@ -4,8 +4,9 @@ priority, abort. Outputs must not depend on any of them."""
 from __future__ import annotations
 
 import pytest
-from tests.engine.helpers import GREEDY, make_engine, random_prompts, run_all
+
 from pdserve.sampling_params import SamplingParams
+from tests.engine.helpers import GREEDY, make_engine, random_prompts, run_all
 
 LENS = [1, 3, 15, 16, 17, 31, 40, 64, 70, 100, 128, 150, 200, 230, 260, 300]
 

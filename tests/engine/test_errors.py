@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from tests.engine.helpers import make_engine
+
 from pdserve.engine.cli import generate_main
 from pdserve.engine.config import EngineArgs
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
+from tests.engine.helpers import make_engine
 
 
 @pytest.mark.parametrize(("kw", "field"), [

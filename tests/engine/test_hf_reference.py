@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+
 from pdserve.attention import get_backend
 from pdserve.attention.base import AttentionMetadata
 from pdserve.engine.config import EngineArgs

@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
-from tests.engine.helpers import make_engine, random_prompts
+
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
+from tests.engine.helpers import make_engine, random_prompts
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 

@@ -2,7 +2,8 @@
 
     get_backend("auto" | "torch" | "flashinfer", kv_caches=[...], num_qo_heads=..., scale=...)
 
-"auto" picks FlashInfer only when the cache lives on CUDA and the package is installed.
+"auto" picks FlashInfer only when the cache lives on CUDA in float16/bfloat16 and the package
+is installed; otherwise the torch backend.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def get_backend(name: str, kv_caches: list[torch.Tensor], num_qo_heads: int | No
     if not kv_caches:
         raise ValueError("kv_caches must hold one tensor per layer")
     resolved = resolve_backend(name, kv_caches[0].device)
+    if name == "auto" and kv_caches[0].dtype not in (torch.float16, torch.bfloat16):
+        resolved = "torch"  # FlashInfer kernels are half precision only
     if resolved == "flashinfer":
         from pdserve.attention.flashinfer_backend import FlashInferBackend
 

@@ -28,6 +28,9 @@ class FlashInferBackend(AttentionBackend):
         if self.device.type != "cuda":
             raise ValueError(
                 f"attention_backend 'flashinfer' needs CUDA, cache is on {self.device}")
+        if kv_caches[0].dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError("attention_backend 'flashinfer' needs dtype float16 or bfloat16, "
+                             f"got {kv_caches[0].dtype}")
         workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")

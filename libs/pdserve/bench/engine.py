@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
 from pdserve.models import save_builtin

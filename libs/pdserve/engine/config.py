@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from pdserve.attention import BACKENDS
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")

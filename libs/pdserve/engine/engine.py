@@ -16,6 +16,7 @@ import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from pdserve.attention import get_backend
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.kv_cache import KVCacheManager, PagedKVCache

@@ -19,6 +19,7 @@ logits must be computed.
 from __future__ import annotations
 
 import torch
+
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request
 from pdserve.hashing import hash_blocks

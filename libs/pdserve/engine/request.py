@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+
 from pdserve.sampling_params import SamplingParams
 
 

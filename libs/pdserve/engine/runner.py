@@ -9,6 +9,7 @@ a non-final prefill chunk just fills the cache.
 from __future__ import annotations
 
 import torch
+
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.sampler import Sampler, SamplerOutput
