@@ -129,15 +129,18 @@ def _redis_flag() -> Flag:
 
 def _engine_flags(role_default: str) -> tuple[Flag, ...]:
     return (
-        Flag("model", STR, "tiny", "built-in model name (tiny, tiny-moe, bench-50m) or HF directory"),
-        Flag("dtype", choice_kind("auto", "float32", "bfloat16", "float16"), "auto", "weights dtype"),
+        Flag("model", STR, "tiny",
+             "built-in model name (tiny, tiny-moe, bench-50m) or HF directory"),
+        Flag("dtype", choice_kind("auto", "float32", "bfloat16", "float16"), "auto",
+             "weights dtype"),
         Flag("role", choice_kind("prefill", "decode", "colocated", "flex"), role_default,
              "engine role; flex instances may switch between prefill and decode"),
         Flag("kvd", STR, "", "this node's kvd gRPC address host:port; empty = no kvd"),
         Flag("block-size", int_kind(1, 1024), 16, "tokens per KV block"),
         Flag("num-blocks", int_kind(0), 0, "KV blocks in the engine cache; 0 = from memory"),
         Flag("max-num-seqs", int_kind(1), 64, "most sequences in one running batch"),
-        Flag("max-num-batched-tokens", int_kind(1), 512, "token budget of one step (chunked prefill)"),
+        Flag("max-num-batched-tokens", int_kind(1), 512,
+             "token budget of one step (chunked prefill)"),
         Flag("max-queued", int_kind(1), 256, "most queued requests before RESOURCE_EXHAUSTED"),
         Flag("max-prompt-tokens", int_kind(0), 0, "longest accepted prompt; 0 = model context"),
         Flag("attention-backend", choice_kind("auto", "torch", "flashinfer"), "auto",

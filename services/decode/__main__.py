@@ -6,7 +6,6 @@ import sys
 
 from pdserve.server import Service, run_main
 from pdserve.serving.service import create_engine_service
-
 from services.decode.config import DecodeConfig
 from services.decode.servicer import servicers
 

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+
 from pdserve.engine.request import Logprob
 from pdserve.proto.v1 import common_pb2
 from pdserve.sampling_params import SamplingParams

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.serving.admin import EngineAdminServicer
 from pdserve.serving.convert import (
@@ -20,7 +21,6 @@ from pdserve.serving.convert import (
 from pdserve.serving.errors import rpc_status
 from pdserve.serving.instance import Instance
 from pdserve.telemetry import server_span
-
 from services.decode.decode import Chunk, DecodeJob, run_decode
 
 

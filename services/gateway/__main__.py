@@ -10,7 +10,6 @@ import sys
 from pdserve import env
 from pdserve.log import setup_logging
 from pdserve.telemetry import init_tracing
-
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GatewayServer

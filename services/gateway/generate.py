@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from pdserve.proto.v1 import common_pb2, router_pb2
 
+from pdserve.proto.v1 import common_pb2, router_pb2
 from services.gateway.errors import ApiError
 from services.gateway.router_client import GenerateCall, RouterClient
 

@@ -18,10 +18,10 @@ from typing import Any
 import grpc
 from fastapi import Request, Response
 from opentelemetry import propagate, trace
-from pdserve.log import fields
-from pdserve.telemetry import outbound_metadata
 from pydantic import ValidationError
 
+from pdserve.log import fields
+from pdserve.telemetry import outbound_metadata
 from services.gateway import responses as shapes
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewayConfig

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.proto.v1 import common_pb2, router_pb2
-
 from services.gateway.errors import ApiError
 from services.gateway.generate import Choice, usage_of
 

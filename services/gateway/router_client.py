@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 from grpc.aio import UnaryStreamCall as GenerateCall  # of GenerateRequest -> GenerateResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 
 _OPTIONS = [

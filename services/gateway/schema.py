@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.proto.v1 import common_pb2, router_pb2
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pdserve.proto.v1 import common_pb2, router_pb2
 
 UINT32_MAX = 2**32 - 1
 UINT64_MASK = 2**64 - 1

@@ -12,9 +12,9 @@ import socket
 from collections.abc import Iterator
 
 import uvicorn
+
 from pdserve.log import fields
 from pdserve.server import Service, make_server
-
 from services.gateway.app import FastPath, create_app
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewayConfig

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 
+from prometheus_client import REGISTRY
+
 from pdserve.index import PrefixIndex
 from pdserve.proto.v1 import common_pb2
 from pdserve.server import Service, make_server, run_main
-from prometheus_client import REGISTRY
-
 from services.kvd.config import KvdConfig
 from services.kvd.daemon import Kvd
 from services.kvd.servicer import KvdCollector, KvdServicer, servicers

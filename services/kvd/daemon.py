@@ -17,11 +17,11 @@ from multiprocessing import shared_memory
 
 import grpc
 import numpy as np
+
 from pdserve.hashing import HASH_LEN, block_checksum
 from pdserve.index import IndexUnavailable, NodeRecord, PrefixIndex
 from pdserve.kvd import layout as L
 from pdserve.proto.v1 import common_pb2, kvd_pb2
-
 from services.kvd.config import KvdConfig
 from services.kvd.errors import KvdError, invalid
 from services.kvd.index_sync import IndexSync

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+
 from pdserve.proto.v1 import kvd_pb2_grpc
 from pdserve.server import GRPC_OPTIONS
 

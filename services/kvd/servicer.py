@@ -8,10 +8,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
-from pdserve.kvd.layout import BlockLayout
-from pdserve.proto.v1 import kvd_pb2, kvd_pb2_grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pdserve.kvd.layout import BlockLayout
+from pdserve.proto.v1 import kvd_pb2, kvd_pb2_grpc
 from services.kvd.daemon import Kvd
 from services.kvd.errors import KvdError
 from services.kvd.peers import SECRET_KEY

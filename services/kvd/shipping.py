@@ -34,9 +34,9 @@ from typing import Any
 
 import grpc
 import numpy as np
+
 from pdserve.hashing import block_checksum
 from pdserve.proto.v1 import common_pb2, kvd_pb2
-
 from services.kvd.errors import KvdError
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers

@@ -6,7 +6,6 @@ import sys
 
 from pdserve.server import Service, run_main
 from pdserve.serving.service import create_engine_service
-
 from services.prefill.config import PrefillConfig
 from services.prefill.servicer import servicers
 

@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 import grpc
+
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.serving import metrics
 from pdserve.serving.admin import EngineAdminServicer
@@ -19,7 +20,6 @@ from pdserve.serving.convert import (
 from pdserve.serving.errors import rpc_status
 from pdserve.serving.instance import Instance
 from pdserve.telemetry import server_span
-
 from services.prefill.prefill import PrefillJob, PrefillResult, run_prefill
 
 

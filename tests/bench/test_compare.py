@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pdserve.bench.compare import main, summarize_cprofile, summarize_pyspy
 from pdserve.bench.configs import ConfigError, RunConfig, load_config
 from pdserve.bench.report import (

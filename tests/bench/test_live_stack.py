@@ -12,7 +12,6 @@ from pdserve.bench.configs import RunConfig
 from pdserve.bench.runner import LoadSettings, Target, run_load
 from pdserve.bench.stack import StackProcess
 from pdserve.bench.workload import WorkloadSpec
-
 from tests.bench.helpers import check_smoke_run
 
 

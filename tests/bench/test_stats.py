@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import pytest
+
 from pdserve.bench.client import parse_chunk
 from pdserve.bench.stats import (
     RequestResult,

@@ -6,6 +6,7 @@ import math
 import statistics
 
 import pytest
+
 from pdserve.bench.workload import (
     LengthRange,
     PromptMaker,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdserve.hashing import HASH_LEN, block_checksum, hash_blocks
 
 

@@ -29,7 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "libs")]
 
 from pdserve.proto.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
-
 from services.gateway.app import FastPath, create_app  # noqa: E402
 from services.gateway.auth import KeyStore  # noqa: E402
 from services.gateway.config import GatewayConfig  # noqa: E402

@@ -13,9 +13,9 @@ from typing import Any, TypeVar
 import httpx
 import openai
 import pytest
+
 from pdserve.proto.v1 import router_pb2
 from pdserve.server import Service, make_server
-
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GatewayServer

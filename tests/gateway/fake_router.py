@@ -20,6 +20,7 @@ import asyncio
 from typing import Any
 
 import grpc
+
 from pdserve.proto.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 MODEL = "tiny"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from pdserve.kvd.layout import BlockLayout
 
+from pdserve.kvd.layout import BlockLayout
 from services.kvd.config import KvdConfig
 from services.kvd.transfer import Message, plan_messages
 

@@ -6,6 +6,7 @@ import socket
 from collections.abc import AsyncIterator
 
 import pytest
+
 from pdserve.index import IndexUnavailable, LocalPrefixIndex, NodeRecord, PrefixIndex
 from pdserve.index.redis_index import RedisPrefixIndex
 

@@ -12,12 +12,12 @@ import grpc
 import pytest
 import redis
 import torch
+
 from pdserve.hashing import block_checksum, hash_blocks
 from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.kvd.client import CommitEntry, KvdClient, Pin
 from pdserve.kvd.layout import BlockLayout
 from pdserve.proto.v1 import common_pb2, kvd_pb2
-
 from tests.kvd.conftest import BLOCK, ROOT, KvdProc, common_args
 
 Factory = tuple[str, list[KvdProc]]

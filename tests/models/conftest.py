@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+
 from pdserve.models import CausalLM, save_builtin
 
 from .dense_backend import DenseCausalBackend

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+
 from pdserve.models import BUILTIN_MODELS, load_model
 from pdserve.models.builtin import hf_config, iter_weights, tensor_shapes
 from pdserve.models.builtin_tokenizer import tokenizer_json

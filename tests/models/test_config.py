@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
 from pdserve.models import load_model
 from pdserve.models.config import RopeConfig, parse_hf_config, parse_rope
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}

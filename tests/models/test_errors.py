@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from pdserve.models import ModelConfig, load_model, save_builtin
 from pdserve.models.config import MoeConfig, RopeConfig, parse_hf_config
-from safetensors.torch import load_file, save_file
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+
 from pdserve.models import load_model
 
 from .conftest import pdserve_logits, randomize, reference_logits, save_reference

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from pdserve.models import load_model
 from pdserve.models.config import resolve_dtype
-from safetensors.torch import load_file, save_file
 
 
 @pytest.mark.parametrize(("cfg", "requested", "expected"), [

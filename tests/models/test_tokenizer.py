@@ -10,6 +10,7 @@ import pytest
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from pdserve.models import builtin_tokenizer
 from pdserve.tokenizer import DetokenizeState, Tokenizer
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from pdserve.engine.engine import Engine
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.server import make_server

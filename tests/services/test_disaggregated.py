@@ -17,12 +17,12 @@ import grpc
 import pytest
 import torch
 import transformers
+
 from pdserve.hashing import hash_blocks
 from pdserve.llm import LLM
 from pdserve.models import save_builtin
 from pdserve.proto.v1 import common_pb2, engine_pb2, kvd_pb2, kvd_pb2_grpc
 from pdserve.sampling_params import SamplingParams
-
 from tests.conftest import RedisServer
 from tests.services.harness import Client, Proc, start_services, stop_all, tokens_of
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import redis.asyncio as aioredis
+
 from pdserve.registry import list_instances
 from pdserve.sampling_params import SamplingParams
 from pdserve.serving.async_engine import AsyncEngine, ThroughputWindow
 from pdserve.serving.config import EngineServiceConfig
 from pdserve.serving.text import TextStream
-
 from tests.services.harness import engine, serve
 
 

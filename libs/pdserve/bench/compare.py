@@ -91,6 +91,7 @@ def _stop_pyspy(proc: subprocess.Popen[bytes] | None) -> None:
 async def _router_counters(address: str) -> dict[str, float]:
     """Cumulative prefix-hit counters from ``Router.ClusterState``; {} when unavailable."""
     import grpc
+
     from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as channel:

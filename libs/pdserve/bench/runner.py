@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from pdserve.bench.client import APIS, Client, HttpClient, RouterClient, StreamRecord
 from pdserve.bench.stats import RequestResult, Summary, summarize, timings_from_events
 from pdserve.bench.workload import (
@@ -29,7 +31,6 @@ from pdserve.bench.workload import (
     completion_prompt,
     make_plan,
 )
-from tqdm import tqdm
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import torch
+
 from pdserve.hashing import block_checksum
 from pdserve.kvd.client import CommitEntry, KvdClient
 from pdserve.kvd.layout import BlockLayout
