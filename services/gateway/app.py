@@ -1,6 +1,6 @@
 """The FastAPI application: routes, the OpenAPI document, and a fast path for generation.
 
-The handlers themselves live in ``handlers.Gateway``; this module only wires them.
+The handlers themselves live in ``servicer.Gateway``; this module only wires them.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.gateway.errors import ApiError
-from services.gateway.handlers import Api, Gateway, error_response
 from services.gateway.schema import ChatCompletionRequest, CompletionRequest
+from services.gateway.servicer import Api, Gateway, error_response
 
 
 def create_app(gw: Gateway) -> FastAPI:

@@ -18,9 +18,9 @@ from pdserve.server import Service, make_server
 from services.gateway.app import FastPath, create_app
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewayConfig
-from services.gateway.handlers import Gateway
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router_client import RouterClient
+from services.gateway.servicer import Gateway
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from pdserve.proto.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E4
 from services.gateway.app import FastPath, create_app  # noqa: E402
 from services.gateway.auth import KeyStore  # noqa: E402
 from services.gateway.config import GatewayConfig  # noqa: E402
-from services.gateway.handlers import Gateway  # noqa: E402
 from services.gateway.metrics import GatewayMetrics  # noqa: E402
+from services.gateway.servicer import Gateway  # noqa: E402
 
 _ROUTER = """
 import asyncio

@@ -1,4 +1,4 @@
-"""Request handling of the gateway: OpenAI's REST API over the router's gRPC ``Generate`` stream.
+"""The gateway servicer: OpenAI REST requests over the router's gRPC ``Generate`` stream.
 
 A request: auth (Bearer key -> tenant) -> body (size-limited) -> pydantic validation -> one
 router call per choice -> first messages awaited (so early errors keep their HTTP status) ->
