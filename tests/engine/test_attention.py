@@ -113,3 +113,17 @@ def test_cpu_engine_never_imports_flashinfer() -> None:
 def test_flashinfer_needs_cuda() -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_backend("flashinfer", kv_caches=[torch.zeros(1, 2, 4, 1, 8)], num_qo_heads=2)
+
+
+def test_mixed_batch_splits_decode_from_prefill() -> None:
+    """A long chunk next to decodes: two groups, and the decode group is not padded."""
+    layers = [torch.zeros(PAGES, 2, PAGE, KVH, HD)]
+    md = AttentionMetadata(
+        qo_indptr=torch.tensor([0, 1, 41, 42], dtype=torch.int32),
+        page_table=[[0, 1], [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [13]],
+        kv_lens=torch.tensor([5, 41, 2], dtype=torch.int32),
+        slot_mapping=torch.tensor([4, *range(8, 48), 53]), is_decode_only=False)
+    backend = get_backend("torch", kv_caches=layers)
+    backend.prepare(md)
+    shapes = sorted(plan.shape for plan in backend.groups)  # type: ignore[attr-defined]
+    assert shapes == [(1, 40, 41), (2, 1, 5)]
