@@ -83,6 +83,10 @@ def test_engine_level_errors(llm: LLM) -> None:
     engine.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="request_id 'dup'"):
         engine.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="priority"):
+        engine.add_request("p", [1, 2], SamplingParams(max_tokens=1), priority=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request("s", [1, 2], SamplingParams(max_tokens=1), cache_salt=None)  # type: ignore[arg-type]
     engine.abort("dup")
     engine.step()
     with pytest.raises(ValueError, match="params has 1 entries for 2 prompts"):

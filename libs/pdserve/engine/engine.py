@@ -70,6 +70,10 @@ class Engine:
                     priority: int = 0, cache_salt: str = "", prefill_only: bool = False) -> None:
         """Queue a request; raises ValueError naming the bad field."""
         self._validate(request_id, prompt_token_ids, params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
         max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         gen = None
         if params.seed is not None:
