@@ -110,3 +110,19 @@ def test_stats_count_decode_tokens() -> None:
     assert stats.num_prefill_tokens == 30
     assert stats.num_decode_tokens == 2 * (GREEDY.max_tokens - 1)
     assert (stats.num_waiting, stats.num_running, stats.num_blocks_used) == (0, 0, 0)
+
+
+def test_preemption_picks_the_least_urgent_request() -> None:
+    engine = make_engine(num_blocks=6, max_num_batched_tokens=512)
+    urgent, relaxed = random_prompts([40, 40], seed=9)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    engine.add_request("relaxed", relaxed, params, priority=3)
+    engine.add_request("urgent", urgent, params, priority=1)
+    reqs = {rid: engine.requests[rid] for rid in ("relaxed", "urgent")}
+    order = []
+    while engine.has_unfinished():
+        order += [o.request_id for o in engine.step() if o.finished]
+        engine.check_integrity()
+    assert reqs["urgent"].num_preemptions == 0
+    assert reqs["relaxed"].num_preemptions >= 1
+    assert order == ["urgent", "relaxed"]
