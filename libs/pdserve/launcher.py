@@ -58,6 +58,7 @@ class Proc:
     popen: subprocess.Popen[str] | None = None
     restarts: int = 0
     log_tail: list[str] = field(default_factory=list)
+    _stderr_reader: threading.Thread | None = field(default=None, repr=False)
 
     def start(self, env: dict[str, str]) -> None:
         cpus = self.cpus
@@ -68,7 +69,8 @@ class Proc:
 
         self.popen = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, preexec_fn=pin)
-        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._stderr_reader.start()
 
     def _drain_stderr(self) -> None:
         assert self.popen is not None and self.popen.stderr is not None
@@ -86,6 +88,8 @@ class Proc:
         reader.start()
         reader.join(max(0.0, deadline - time.monotonic()))
         if not result or not READY.search(result[0]):
+            if self.popen.poll() is not None and self._stderr_reader is not None:
+                self._stderr_reader.join(timeout=2)  # died: let its last words reach the tail
             tail = "\n  ".join(self.log_tail[-15:])
             raise RuntimeError(f"{self.name} did not become ready (exit code "
                                f"{self.popen.poll()}); its last log lines:\n  {tail}")

@@ -44,10 +44,10 @@ class UpStack:
             start_new_session=True)
         ready = threading.Event()
         threading.Thread(target=self._read, args=(ready,), daemon=True).start()
-        if not ready.wait(timeout):
+        if not ready.wait(timeout) or not self.base_url:
             self.stop()
             tail = "\n".join(self.lines[-30:])
-            raise RuntimeError(f"pdserve up not ready in {timeout}s; output:\n{tail}")
+            raise RuntimeError(f"pdserve up not ready (waited up to {timeout}s); output:\n{tail}")
         return self
 
     def _read(self, ready: threading.Event) -> None:
@@ -64,6 +64,7 @@ class UpStack:
             elif line.startswith("pdserve ready: "):
                 self.base_url = line.split(": ", 1)[1]
                 ready.set()
+        ready.set()  # exited before becoming ready: start() reports its output
 
     def pid_listening(self, service: str, port: int) -> int:
         """The pid of ``services.<service>`` started with ``--port <port>`` (or redis-server)."""
