@@ -103,6 +103,8 @@ class UcxTransport:
         self._num_active = 0
         self._wake = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
+        # posted, not yet done: request, its future, and the buffer (kept alive until done)
+        self._requests: list[tuple[Any, asyncio.Future[None], Any]] = []
         self._num_sent_blocks = 0
         self.address = b""
 
@@ -115,7 +117,10 @@ class UcxTransport:
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         os.environ.setdefault("UCX_RNDV_FRAG_MEM_TYPE", "host")
         import ucxx
+        from ucxx._lib.arr import Array
+        from ucxx.types import Tag, TagMaskFull
 
+        self._array, self._tag, self._tag_mask = Array, Tag, TagMaskFull
         options = {"TLS": self._tls} if self._tls else {}
         if self._net_devices:
             options["NET_DEVICES"] = self._net_devices
@@ -125,7 +130,30 @@ class UcxTransport:
         self._errors: tuple[type[BaseException], ...] = (ex.UCXError, ex.UCXCanceled,
                                                          ex.UCXCloseError)
         self.address = ucxx.get_worker_address().tobytes()
-        self._poller = asyncio.get_running_loop().create_task(self._poll())
+        loop = asyncio.get_running_loop()
+        ctx = ucxx.core._get_ctx()
+        ctx.continuous_ucx_progress(loop)
+        self._worker = ctx.worker
+        # ucxx's blocking mode never re-arms the worker after its epoll fd fires, so the fd
+        # stays readable and the loop spins at 100% CPU for the life of the process (both
+        # kvds, idle too): replace its reader with one that progresses and re-arms.
+        fd = self._worker.epoll_file_descriptor
+        loop.remove_reader(fd)
+        loop.add_reader(fd, self._on_ucx_event)
+        self._poller = loop.create_task(self._poll())
+
+    def _on_ucx_event(self) -> None:
+        self._worker.progress()
+        self._reap()
+        if self._num_active == 0:
+            self._arm()
+        # else the poller spins the worker, and re-arms when the last transfer ends
+
+    def _arm(self) -> None:
+        """Arm the worker so its fd wakes the loop on the next event (ucp_worker_arm: only
+        once nothing is left to progress)."""
+        while not self._worker.arm():
+            self._worker.progress()
 
     async def stop(self) -> None:
         if self._poller is not None:
@@ -136,18 +164,51 @@ class UcxTransport:
     async def _poll(self) -> None:
         """Spin the worker while transfers are active (blocking mode alone adds wake-up
         latency of milliseconds); back off to 1 ms sleeps while a peer is silent."""
-        worker = self._ucxx.core._get_ctx().worker
+        worker = self._worker
         idle = 0
         while True:
             if self._num_active == 0:
+                self._arm()
                 self._wake.clear()
                 await self._wake.wait()
-            if worker.progress_once():
+                idle = 0  # a new transfer: spin at once (not at the silent peer's 1 ms pace)
+            progressed = worker.progress_once()
+            self._reap()  # also requests that completed inline when posted
+            if progressed:
                 idle = 0
                 await asyncio.sleep(0)
             else:
                 idle += 1
                 await asyncio.sleep(0 if idle < 2000 else 0.001)
+
+    def _reap(self) -> None:
+        """Resolve the futures of finished UCX requests. ucxx's own ``await ep.send()`` makes
+        each request a task spinning on ``asyncio.sleep(0)``: with 64 messages in flight that
+        is 64 task steps per worker progress; one scan here is far cheaper."""
+        if not self._requests:
+            return
+        left = []
+        for entry in self._requests:
+            req, fut, _ = entry
+            if not req.completed:
+                left.append(entry)  # even if cancelled: UCX still owns the buffer
+                continue
+            if fut.done():  # cancelled by the caller
+                continue
+            try:
+                req.check_error()
+                fut.set_result(None)
+            except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
+                fut.set_exception(exc)
+        self._requests = left
+
+    def _post(self, ep: Any, buf: np.ndarray, tag: int, send: bool) -> asyncio.Future[None]:
+        arr, t = self._array(buf), self._tag(tag)
+        raw = ep._ep  # ucxx's core endpoint: requests without a spinning task each
+        req = raw.tag_send(arr, t) if send else raw.tag_recv(arr, t, self._tag_mask)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._requests.append((req, fut, arr))
+        return fut
 
     def _begin(self) -> None:
         self._num_active += 1
@@ -209,7 +270,7 @@ class UcxTransport:
             if self._faults.send_delay_ms:
                 await asyncio.sleep(self._faults.send_delay_ms / 1000)
             await asyncio.gather(*[
-                ep.send(self._outgoing(m), tag=message_tag(transfer_id, i), force_tag=True)
+                self._post(ep, self._outgoing(m), message_tag(transfer_id, i), send=True)
                 for i, m in enumerate(messages)])
         except self._errors as exc:
             raise TransportError(f"send failed: {exc}") from exc
@@ -223,8 +284,8 @@ class UcxTransport:
         async def one(i: int, m: Message) -> int:
             self._begin()
             try:
-                await ep.recv(self._view(m.dst_slot, m.num_blocks),
-                              tag=message_tag(transfer_id, i), force_tag=True)
+                await self._post(ep, self._view(m.dst_slot, m.num_blocks),
+                                 message_tag(transfer_id, i), send=False)
             except self._errors as exc:
                 raise TransportError(f"receive failed: {exc}") from exc
             finally:
