@@ -2,7 +2,8 @@
 
 For batches of 1, 64 and 512 blocks of 1 MiB (16 layers x K,V x 16 tokens x 8 KV heads x 128
 dims x 2 bytes), the same bytes moved by:
-  (a) memcpy  -- one thread copying between two arrays: this host's ceiling;
+  (a) memcpy  -- one thread copying between two pre-faulted arrays, best of the repetitions
+                 (a ceiling), measured while the kvds are idle;
   (b) kvd     -- kvd A -> kvd B, from Commit with push until every block is present at B;
   (c) grpc    -- a plain gRPC byte stream (1 MiB messages) between two processes;
   (d) e2e     -- the engine path: write slots on A, Commit+push, Await on B, read, Release.
@@ -75,11 +76,11 @@ def bench_memcpy(n: int, reps: int) -> float:
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault the pages in first
     times = []
-    for _ in range(reps):
+    for _ in range(max(reps, 5)):
         t = time.perf_counter()
         np.copyto(dst, src)
         times.append(time.perf_counter() - t)
-    return n * MIB / statistics.median(times) / 1e9
+    return n * MIB / min(times) / 1e9
 
 
 async def bench_grpc(address: str, n: int, reps: int) -> float:
@@ -158,9 +159,11 @@ async def _run(sizes: list[int], quick: bool) -> list[dict[str, float]]:
                 "batch_bytes": nbytes,
                 "memcpy_gbps": bench_memcpy(n, reps),
                 "kvd_gbps": nbytes / statistics.median(kvd) / 1e9,
+                "kvd_best_gbps": nbytes / min(kvd) / 1e9,
                 "grpc_gbps": await bench_grpc(f"127.0.0.1:{sink_port}", n, min(reps, 5)),
                 "e2e_gbps": nbytes / statistics.median(e2e) / 1e9,
                 "kvd_latency_ms": statistics.median(kvd) * 1e3,
+                "kvd_best_latency_ms": min(kvd) * 1e3,
             })
         return rows
     finally:
@@ -182,13 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     # 2-core host, 40x slower copies).
     torch.set_num_threads(1)
     rows = asyncio.run(_run(sizes, args.quick))
-    print(f"{'batch':>8} {'memcpy':>8} {'kvd':>8} {'grpc':>8} {'e2e':>8} {'kvd lat':>10}"
-          f" {'kvd/memcpy':>10} {'kvd/grpc':>9}")
+    print(f"{'batch':>8} {'memcpy':>8} {'kvd':>8} {'kvd best':>8} {'grpc':>8} {'e2e':>8} "
+          f"{'kvd lat':>10} {'kvd/memcpy':>10} {'kvd/grpc':>9}")
     for r in rows:
         print(f"{r['batch_bytes'] // MIB:>5}MiB {r['memcpy_gbps']:>8.2f} {r['kvd_gbps']:>8.2f} "
-              f"{r['grpc_gbps']:>8.2f} {r['e2e_gbps']:>8.2f} {r['kvd_latency_ms']:>8.2f}ms "
-              f"{r['kvd_gbps'] / r['memcpy_gbps']:>10.2f} {r['kvd_gbps'] / r['grpc_gbps']:>9.2f}")
-    print("(GB/s; kvd = commit with push until present at B; e2e = engine write -> read)")
+              f"{r['kvd_best_gbps']:>8.2f} {r['grpc_gbps']:>8.2f} {r['e2e_gbps']:>8.2f} "
+              f"{r['kvd_latency_ms']:>8.2f}ms {r['kvd_gbps'] / r['memcpy_gbps']:>10.2f} "
+              f"{r['kvd_gbps'] / r['grpc_gbps']:>9.2f}")
+    print("(GB/s, medians but memcpy = best; kvd = commit with push until present at B; "
+          "e2e = engine write -> read)")
     if args.json:
         for r in rows:
             print(json.dumps(r))
