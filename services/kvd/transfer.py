@@ -15,6 +15,10 @@ the default ``--ucx-tls ^cma`` because a CMA read from a peer that died aborts t
 posix/sysv shared memory does not. A lost peer is detected by the caller's watchdog instead
 (peer gRPC channel down, or no progress before the transfer deadline), which aborts the
 endpoint: that cancels every receive posted on it, so no late write can land in a reused slot.
+
+Progress: one poller task spins the worker while transfers are active and resolves every
+posted request's future (``_reap``); between transfers the worker is armed and its epoll fd
+wakes the loop (ucxx's own blocking mode never re-arms: it spun at 100% CPU forever).
 """
 
 from __future__ import annotations
