@@ -288,3 +288,23 @@ async def _bad_input(c: KvdClient, pins: list[Pin], address: str) -> None:
     stranger = KvdClient(address, "stranger")
     await _expect(stranger.stats(), grpc.StatusCode.UNAUTHENTICATED, "x-pdserve-secret")
     await stranger.close()
+
+
+async def test_same_block_from_two_engines_with_other_low_bits_is_served(
+        kvd_factory: Factory, redis_url: str) -> None:
+    """Two prefill nodes compute the same prefix (same chained hash) with bits differing in the
+    last place; the decode node already holds one copy. Await must serve it, not DATA_LOSS."""
+    a, b = start(kvd_factory, redis_url), start(kvd_factory, redis_url)
+    ca, cb = await client(a), await client(b)
+    pins, hashes, _ = await write(ca, 3)
+    await ca.commit([CommitEntry(p, h) for p, h in zip(pins, hashes, strict=True)],
+                    destination=endpoint(b))
+    first = await cb.await_blocks(refs(hashes, [0] * 3), timeout=20)
+    held = bytes_of(cb, first)
+    await cb.release([p.pin_id for p in first])
+    other_sums = [block_checksum(bytes(x ^ 1 for x in blk[:8]) + blk[8:]) for blk in held]
+    got = await cb.await_blocks(refs(hashes, other_sums), timeout=20)
+    assert bytes_of(cb, got) == held
+    await cb.release([p.pin_id for p in got])
+    await ca.close()
+    await cb.close()
