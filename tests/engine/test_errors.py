@@ -111,3 +111,21 @@ def test_cli_generates_and_reports_errors(capsys: pytest.CaptureFixture[str]) ->
     assert "temperature" in capsys.readouterr().err
     assert generate_main(["--model", "nope", "--prompt", "hello"]) == 2
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_sliding_window_caps_the_context() -> None:
+    """Full attention matches a windowed model only up to its window: prompts beyond it are
+    refused with the limit named, never silently answered differently from the reference."""
+    import dataclasses
+
+    from pdserve.engine.engine import Engine
+    from pdserve.models import LoadedModel, load_model
+
+    lm = load_model("tiny")
+    windowed = LoadedModel(lm.model, dataclasses.replace(lm.config, sliding_window=64),
+                           lm.tokenizer)
+    engine = Engine(windowed, EngineArgs(num_blocks=16))
+    assert engine.max_model_len == 64
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("r", list(range(1, 65)), SamplingParams(max_tokens=1))
+    engine.add_request("ok", list(range(1, 60)), SamplingParams(max_tokens=2))

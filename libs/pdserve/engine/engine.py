@@ -48,8 +48,10 @@ class Engine:
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(lm.model, self.kv, backend, Sampler(args.seed, device), device)
         self.device = device
-        self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
+        # Full attention equals a sliding window only up to the window's length: cap the
+        # context there, so a windowed model (Mistral, Mixtral) never drifts from its reference.
+        context = min(cfg.max_position_embeddings, cfg.sliding_window or 1 << 62)
+        self.max_model_len = min(args.max_model_len or context, context)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
