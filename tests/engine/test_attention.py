@@ -25,7 +25,8 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int) -
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _run_step(cached: list[int], new: list[int], seed: int) -> None:
+def _run_step(cached: list[int], new: list[int], seed: int) -> float:
+    """One backend step against dense attention; returns the largest deviation seen."""
     g = torch.Generator().manual_seed(seed)
     layers = [torch.zeros(PAGES, 2, PAGE, KVH, HD) for _ in range(2)]
     perm = torch.randperm(PAGES, generator=g).tolist()
@@ -55,16 +56,19 @@ def _run_step(cached: list[int], new: list[int], seed: int) -> None:
     )
     backend = get_backend("torch", kv_caches=layers)
     backend.prepare(md)
+    worst = 0.0
     for layer_id in range(len(layers)):
         out = backend.forward(layer_id, torch.cat(qs), torch.cat(ks), torch.cat(vs))
         parts = zip(qs, full_k, full_v, cached, strict=True)
         ref = torch.cat([_dense(q, k, v, c) for q, k, v, c in parts])
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        worst = max(worst, (out.double() - ref).abs().max().item())
     # The new tokens' K/V were stored in their pages.
     for table, k_all, v_all, c, n in zip(tables, full_k, full_v, cached, new, strict=True):
         for pos in range(c, c + n):
             torch.testing.assert_close(layers[1][table[pos // PAGE], 0, pos % PAGE], k_all[pos])
             torch.testing.assert_close(layers[1][table[pos // PAGE], 1, pos % PAGE], v_all[pos])
+    return worst
 
 
 @pytest.mark.parametrize(
@@ -79,7 +83,7 @@ def _run_step(cached: list[int], new: list[int], seed: int) -> None:
     ],
 )
 def test_torch_backend_matches_dense(cached: list[int], new: list[int]) -> None:
-    _run_step(cached, new, seed=sum(cached) * 31 + sum(new))
+    assert _run_step(cached, new, seed=sum(cached) * 31 + sum(new)) < 1e-5
 
 
 def test_get_backend_rejects_unknown_name() -> None:

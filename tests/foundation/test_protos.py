@@ -56,5 +56,7 @@ def test_engine_messages_roundtrip() -> None:
 def test_kvd_messages_roundtrip() -> None:
     layout = kvd_pb2.BlockLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64,
                                  dtype="float32", model_fingerprint="tiny@0")
-    _roundtrip(kvd_pb2.RegisterRequest(layout=layout, client_id="e0"))
-    _roundtrip(kvd_pb2.KvdStats(node_id="a", num_slots=64, slots_free=60, bytes_in=1 << 40))
+    assert _roundtrip(kvd_pb2.RegisterRequest(layout=layout, client_id="e0")).layout == layout
+    stats = _roundtrip(kvd_pb2.KvdStats(node_id="a", num_slots=64, slots_free=60,
+                                        bytes_in=1 << 40))
+    assert (stats.slots_free, stats.bytes_in) == (60, 1 << 40)
