@@ -62,6 +62,12 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(text)
 
 
+def is_host_port(text: str) -> bool:
+    """``host:port`` with a port in 1..65535 (the form of every address flag)."""
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
 def _parse_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 

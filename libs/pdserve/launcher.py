@@ -35,6 +35,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def start_redis(exe: str, host: str, port: int) -> subprocess.Popen[bytes]:
+    """A private ``redis-server`` on ``host:port`` keeping nothing on disk, once it accepts
+    connections (RuntimeError if it does not within 10 s)."""
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", host, "--save", "",
+                             "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"private redis-server did not start on {host}:{port}")
+
+
 def parse_cpus(spec: str) -> list[set[int]]:
     """``"0;1"`` -> [{0}, {1}]; ``"0-1"`` -> [{0, 1}]; one set per instance, cycled."""
     groups: list[set[int]] = []
@@ -167,18 +185,8 @@ class Stack:
                   "prefix index (install redis-server for cache-aware routing)", file=sys.stderr)
             return
         port = free_port(self.ns.host)
-        self.redis = subprocess.Popen([exe, "--port", str(port), "--bind", self.ns.host,
-                                       "--save", "", "--appendonly", "no"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.redis = start_redis(exe, self.ns.host, port)
         self.redis_url = f"redis://{self.ns.host}:{port}/0"
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection((self.ns.host, port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("private redis-server did not start")
 
     def _add(self, name: str, module: str, flags: list[str], cpus: set[int] | None = None,
              port: int | None = None) -> Proc:

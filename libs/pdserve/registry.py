@@ -17,6 +17,8 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from pdserve.env import is_host_port
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "pdserve:"
@@ -40,9 +42,9 @@ class InstanceRecord:
             raise ValueError("instance_id must not be empty")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if not _is_host_port(self.address):
+        if not is_host_port(self.address):
             raise ValueError(f"address must be host:port, got {self.address!r}")
-        if self.kvd_address and not _is_host_port(self.kvd_address):
+        if self.kvd_address and not is_host_port(self.kvd_address):
             raise ValueError(f"kvd_address must be host:port, got {self.kvd_address!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
@@ -58,11 +60,6 @@ class InstanceRecord:
         known = set(cls.__dataclass_fields__)
         # Unknown keys come from newer writers: ignored, so the format can grow compatibly.
         return cls(**{k: v for k, v in data.items() if k in known})
-
-
-def _is_host_port(text: str) -> bool:
-    host, sep, port = text.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _key(prefix: str, instance_id: str) -> str:

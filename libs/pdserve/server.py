@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve import env
 from pdserve.log import setup_logging
+from pdserve.telemetry import init_tracing
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ def run_main(name: str, build: Callable[[list[str] | None], Any],
         sys.stderr.write(f"pdserve {name}: error: {exc}\n")
         return 2
     setup_logging(name)
+    init_tracing(name, env.otel_endpoint())
 
     async def _run() -> None:
         svc = await create(config)

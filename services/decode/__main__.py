@@ -11,7 +11,7 @@ from services.decode.servicer import servicers
 
 
 async def create_server(config: DecodeConfig) -> Service:
-    svc, _ = await create_engine_service("decode", config, servicers)
+    svc, _ = await create_engine_service(config, servicers)
     return svc
 
 

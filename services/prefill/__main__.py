@@ -11,7 +11,7 @@ from services.prefill.servicer import servicers
 
 
 async def create_server(config: PrefillConfig) -> Service:
-    svc, _ = await create_engine_service("prefill", config, servicers)
+    svc, _ = await create_engine_service(config, servicers)
     return svc
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from pdserve.env import otel_endpoint
 from pdserve.server import Service, make_server, run_main
-from pdserve.telemetry import init_tracing
 from services.router.config import RouterConfig
 from services.router.core import Router
 from services.router.instances import InstancePool
@@ -54,7 +52,6 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
 
 async def create_server(config: RouterConfig, model: ModelSpec | None = None,
                         index: PrefixLookup | None = None) -> Service:
-    init_tracing("router", otel_endpoint())
     router = build_router(config, model, index)
     svc = make_server(config.host, config.port, servicers(router))
     svc.on_start.append(router.start)

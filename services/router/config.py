@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.env import is_host_port
 from pdserve.server import config_from_flags
 
 POLICIES = ("cache_aware", "least_load", "round_robin")
@@ -45,7 +46,7 @@ class RouterConfig:
         for flag, addresses in (("--prefill", self.prefill), ("--decode", self.decode)):
             object.__setattr__(self, flag[2:], tuple(addresses))
             for address in addresses:
-                if not _is_host_port(address):
+                if not is_host_port(address):
                     raise ValueError(f"{flag}: {address!r} is not host:port")
         for name in ("block_size", "max_prompt_tokens", "max_tokens", "max_concurrent"):
             if getattr(self, name) < 1:
@@ -74,6 +75,3 @@ class RouterConfig:
         return config_from_flags(cls, "router", argv)  # type: ignore[no-any-return]
 
 
-def _is_host_port(text: str) -> bool:
-    host, sep, port = text.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)

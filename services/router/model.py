@@ -49,8 +49,7 @@ def load_model_spec(name: str) -> ModelSpec:
     if parsed is not None:
         base, seed = parsed
         cfg = builtin.hf_config(base)
-        # Mirrors pdserve.models.loader._load_builtin (which also builds the weights).
-        return ModelSpec(name=name, fingerprint=f"{base}@{seed}",
+        return ModelSpec(name=name, fingerprint=builtin.fingerprint(base, seed),
                          max_context=int(cfg["max_position_embeddings"]),
                          tokenizer=loader.builtin_tokenizer())
     path = Path(name)

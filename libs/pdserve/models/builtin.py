@@ -63,6 +63,11 @@ def parse_builtin(source: str) -> tuple[str, int] | None:
     return name, int(seed)
 
 
+def fingerprint(name: str, seed: int) -> str:
+    """The block-hash fingerprint of a built-in: the name and seed fix every weight."""
+    return f"{name}@{seed}"
+
+
 def hf_config(name: str) -> dict[str, Any]:
     if name not in BUILTIN_CONFIGS:
         raise ValueError(f"unknown built-in model {name!r}; one of {list(BUILTIN_MODELS)}")

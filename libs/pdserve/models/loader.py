@@ -84,7 +84,7 @@ def _load_builtin(name: str, seed: int, dtype: str, device: torch.device) -> Loa
     tokenizer = builtin_tokenizer()
     config = parse_hf_config(
         cfg, dtype=resolve_dtype(dtype, cfg), eos_token_ids=tokenizer.eos_token_ids,
-        fingerprint=f"{name}@{seed}",
+        fingerprint=builtin.fingerprint(name, seed),
     )
     model = _build(config, device, builtin.iter_weights(name, seed))
     return LoadedModel(model=model, config=config, tokenizer=tokenizer)

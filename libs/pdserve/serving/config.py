@@ -10,11 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pdserve.engine.config import EngineArgs
-
-
-def _is_host_port(text: str) -> bool:
-    host, sep, port = text.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+from pdserve.env import is_host_port
 
 
 @dataclass(frozen=True)
@@ -53,9 +49,9 @@ class EngineServiceConfig:
         if self.role not in self.ROLES:
             raise ValueError(f"--role: this service runs one of {', '.join(self.ROLES)}, "
                              f"got {self.role!r}")
-        if self.kvd and not _is_host_port(self.kvd):
+        if self.kvd and not is_host_port(self.kvd):
             raise ValueError(f"--kvd: must be host:port, got {self.kvd!r}")
-        if self.advertise and not _is_host_port(self.advertise):
+        if self.advertise and not is_host_port(self.advertise):
             raise ValueError(f"--advertise: must be host:port, got {self.advertise!r}")
         if self.role in ("prefill", "decode", "flex") and not self.kvd and self.redis_url:
             # Registered disaggregated instances without a kvd could never hand blocks over.

@@ -5,20 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pdserve import env
 from pdserve.server import Service, make_server
 from pdserve.serving.config import EngineServiceConfig
 from pdserve.serving.instance import Instance, create_instance
-from pdserve.telemetry import init_tracing
 
 Servicers = Callable[[Instance], list[tuple[Any, Any, str]]]
 
 
-async def create_engine_service(name: str, config: EngineServiceConfig,
+async def create_engine_service(config: EngineServiceConfig,
                                 servicers: Servicers) -> tuple[Service, Instance]:
     """Load the model, bind the port; the engine thread, kvd registration and the registry
     heartbeat start with the server (before the ready line) and stop after it."""
-    init_tracing(name, env.otel_endpoint())
     instance = create_instance(config)
     svc = make_server(config.host, config.port, servicers(instance))
 
