@@ -16,7 +16,7 @@ $(PY):
 # Reinstall only when the project's dependency list changes.
 .setup-stamp: pyproject.toml | $(PY)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet -e '.[test,dev]'
+	$(PIP) install --quiet -e '.[test,dev,bench]'
 	touch $@
 
 protos $(STUBS): $(PROTOS) scripts/gen_protos.py | .setup-stamp
@@ -30,7 +30,7 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check libs services tests scripts
-	$(VENV)/bin/mypy libs/pdserve services
+	$(VENV)/bin/mypy libs/pdserve libs/pdserve_bench services
 
 bench: setup
 	$(VENV)/bin/pdserve bench all

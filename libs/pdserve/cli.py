@@ -10,12 +10,13 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
-from collections.abc import Callable
+from typing import Any
 
 # subcommand -> "module:function" taking argv and returning an exit code
 COMMANDS: dict[str, str] = {
-    "up": "pdserve.launcher:main",
+    "up": "services.launcher:main",
     "generate": "pdserve.engine.cli:generate_main",
     "gateway": "services.gateway.__main__:main",
     "router": "services.router.__main__:main",
@@ -23,19 +24,28 @@ COMMANDS: dict[str, str] = {
     "decode": "services.decode.__main__:main",
     "kvd": "services.kvd.__main__:main",
 }
+# The optional ``bench`` extra (``pip install 'pdserve[bench]'``): these must all import.
+BENCH_EXTRA = ("pdserve_bench", "matplotlib", "httpx")
 BENCHMARKS: dict[str, str] = {
-    "engine": "pdserve.bench.engine:main",
-    "transfer": "pdserve.bench.transfer:main",
-    "router": "pdserve.bench.router:main",
-    "serve": "pdserve.bench.serve:main",
-    "compare": "pdserve.bench.compare:main",
+    "engine": "pdserve_bench.engine:main",
+    "transfer": "pdserve_bench.transfer:main",
+    "router": "pdserve_bench.router:main",
+    "serve": "pdserve_bench.serve:main",
+    "compare": "pdserve_bench.compare:main",
 }
+# Whose settings ``pdserve env`` lists.
+CONFIGS = ("services.gateway.config:GatewayConfig", "services.router.config:RouterConfig",
+           "services.prefill.config:PrefillConfig", "services.decode.config:DecodeConfig",
+           "services.kvd.config:KvdConfig")
 
 
-def _load(target: str) -> Callable[[list[str]], int]:
-    module, func = target.split(":")
-    fn: Callable[[list[str]], int] = getattr(importlib.import_module(module), func)
-    return fn
+def _load(target: str) -> Any:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _missing_bench_extra() -> list[str]:
+    return [name for name in BENCH_EXTRA if importlib.util.find_spec(name) is None]
 
 
 def _usage() -> str:
@@ -48,6 +58,13 @@ def _bench(argv: list[str]) -> int:
         print(f"usage: pdserve bench <{'|'.join([*BENCHMARKS, 'all'])}> [args]")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
+    missing = _missing_bench_extra()
+    if missing:
+        sys.stderr.write(f"pdserve bench: error: the benchmarks are an optional extra and "
+                         f"{', '.join(missing)} cannot be imported; install it with "
+                         "pip install 'pdserve[bench]' (in a checkout: "
+                         "pip install -e '.[bench]')\n")
+        return 2
     if name == "all":
         # `make bench`: every benchmark, each printing its table and JSON.
         for bench in ("engine", "transfer", "router", "compare"):
@@ -63,10 +80,15 @@ def _bench(argv: list[str]) -> int:
     return _load(BENCHMARKS[name])(rest)
 
 
-def _env() -> int:
+def env_vars() -> dict[str, str]:
+    """Every variable of every service, with what it accepts."""
     from pdserve import env
 
-    for name, accepted in sorted(env.env_vars().items()):
+    return env.env_vars([_load(c) for c in CONFIGS])
+
+
+def _env() -> int:
+    for name, accepted in sorted(env_vars().items()):
         print(f"{name}\t{accepted}")
     return 0
 

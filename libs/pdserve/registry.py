@@ -18,11 +18,11 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from pdserve.env import is_host_port
+from pdserve.roles import Role
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "pdserve:"
-ROLES = ("prefill", "decode", "colocated", "flex")
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ class InstanceRecord:
     def __post_init__(self) -> None:
         if not self.instance_id:
             raise ValueError("instance_id must not be empty")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role not in tuple(Role):
+            raise ValueError(f"role must be one of {', '.join(Role)}, got {self.role!r}")
         if not is_host_port(self.address):
             raise ValueError(f"address must be host:port, got {self.address!r}")
         if self.kvd_address and not is_host_port(self.kvd_address):

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pdserve.errors import BadRequest
+
+MAX_LOGPROBS = 20  # most top alternatives a request may ask for, everywhere
 
 
 @dataclass(frozen=True)
@@ -33,23 +38,26 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
+            raise BadRequest(f"max_tokens must be an int, got {self.max_tokens!r}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise BadRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise BadRequest(f"{name} must be a finite number, got {getattr(self, name)}")
+        if not self.temperature >= 0.0:
+            raise BadRequest(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+            raise BadRequest(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+            raise BadRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise BadRequest(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise BadRequest(f"stop must be non-empty strings, got {self.stop!r}")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+            raise BadRequest(f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -7,28 +7,48 @@ Each service's ``__main__`` does: flags -> config -> ``create_server(config)`` -
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve import env
+from pdserve.channel import GRPC_OPTIONS, SECRET_KEY
+from pdserve.env import (
+    NAME,
+    STR,
+    ConfigError,
+    ServiceConfig,
+    int_kind,
+    port_setting,
+    setting,
+)
 from pdserve.log import setup_logging
 from pdserve.telemetry import init_tracing
 
 log = logging.getLogger(__name__)
+C = TypeVar("C", bound=ServiceConfig)
+G = TypeVar("G", bound="GrpcServiceConfig")
 
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.so_reuseport", 0),
-]
+
+
+@dataclass(frozen=True)
+class GrpcServiceConfig(ServiceConfig):
+    """The settings every gRPC service has; a service sets its own default port."""
+
+    host: str = setting("127.0.0.1", NAME, "address to bind (never all interfaces by default)")
+    port: int = port_setting(0)
+    metrics_port: int = setting(-1, int_kind(-1, 65535),
+                                "Prometheus /metrics port; -1 = off, 0 = a free one")
+    instance_id: str = setting("", STR,
+                               "id in logs, traces and the registry (default: host:port)")
 
 
 @dataclass
@@ -49,12 +69,43 @@ class Service:
             await self.health.set(name, status)
 
 
-def make_server(host: str, port: int, services: Sequence[tuple[Any, Any, str]]) -> Service:
-    """Build (not start) a server for ``(add_fn, servicer, full_service_name)`` triples.
+class SecretCheck(grpc.aio.ServerInterceptor):
+    """Refuse every call to ``services`` (full names) that lacks the shared secret in its
+    ``x-pdserve-secret`` metadata with UNAUTHENTICATED; health and reflection stay open."""
+
+    def __init__(self, secret: str, services: Sequence[str]) -> None:
+        self.secret = secret.encode()
+        self.prefixes = tuple(f"/{name}/" for name in services)
+
+    async def intercept_service(self, continuation: Any,
+                                details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self.prefixes):
+            return handler
+        given = dict(details.invocation_metadata or ()).get(SECRET_KEY, "")
+        if hmac.compare_digest(str(given).encode(), self.secret):
+            return handler
+        message = f"metadata {SECRET_KEY}: missing or wrong shared secret"
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                refuse, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            refuse, handler.request_deserializer, handler.response_serializer)
+
+
+def make_server(host: str, port: int, services: Sequence[tuple[Any, Any, str]],
+                secret: str = "") -> Service:
+    """Build (not start) a server for ``(add_fn, servicer, full_service_name)`` triples;
+    with ``secret``, every call to those services must carry it (``SecretCheck``).
 
     Binds only ``host``: internal ports never listen on all interfaces unless told to.
     """
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    interceptors = [SecretCheck(secret, [name for _, _, name in services])] if secret else []
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     names = []
     for add_fn, servicer, name in services:
         add_fn(servicer, server)
@@ -107,27 +158,39 @@ async def serve(name: str, host: str, svc: Service, grace: float = 5.0,
         await hook()
 
 
-def run_main(name: str, build: Callable[[list[str] | None], Any],
-             create: Callable[[Any], Awaitable[Service]], argv: list[str] | None) -> int:
-    """The shared ``main``: flags -> config (one-line error on bad input) -> serve."""
+def run_main(config_cls: type[C], run: Callable[[C], Coroutine[Any, Any, None]],
+             argv: list[str] | None) -> int:
+    """The shared ``main``: flags -> config -> ``run(config)`` under logging, tracing and the
+    optional profiler. A bad setting (also one found while starting: a file it names) exits 2
+    with one line; a port that cannot be bound exits 1."""
+    name = config_cls.SERVICE
     try:
-        config = build(argv)
+        config = config_cls.from_argv(argv)
     except ValueError as exc:
         sys.stderr.write(f"pdserve {name}: error: {exc}\n")
         return 2
     setup_logging(name)
     init_tracing(name, env.otel_endpoint())
-
-    async def _run() -> None:
-        svc = await create(config)
-        await serve(name, config.host, svc, metrics_port=config.metrics_port)
-
     try:
-        _profiled(name, lambda: asyncio.run(_run()))
+        _profiled(name, lambda: asyncio.run(run(config)))
+    except ConfigError as exc:
+        sys.stderr.write(f"pdserve {name}: error: {exc}\n")
+        return 2
     except OSError as exc:
         sys.stderr.write(f"pdserve {name}: error: {exc}\n")
         return 1
     return 0
+
+
+def run_grpc_main(config_cls: type[G], create: Callable[[G], Awaitable[Service]],
+                  argv: list[str] | None) -> int:
+    """``run_main`` for a gRPC service: ``create(config)`` builds it, ``serve`` runs it."""
+
+    async def run(config: G) -> None:
+        svc = await create(config)
+        await serve(config.SERVICE, config.host, svc, metrics_port=config.metrics_port)
+
+    return run_main(config_cls, run, argv)
 
 
 def _profiled(name: str, fn: Callable[[], None]) -> None:
@@ -146,21 +209,3 @@ def _profiled(name: str, fn: Callable[[], None]) -> None:
     finally:
         os.makedirs(directory, exist_ok=True)
         profiler.dump_stats(os.path.join(directory, f"{name}-{os.getpid()}.prof"))
-
-
-def config_from_flags(cls: Any, service: str, argv: list[str] | None) -> Any:
-    """Build a service's frozen config dataclass from its flags and environment."""
-    return cls(**env.parse_flags(service, argv))
-
-
-def unimplemented_servicer(base: type, methods: Sequence[str], why: str) -> Any:
-    """A servicer whose every rpc answers UNIMPLEMENTED with ``why`` (never a fake success)."""
-
-    def make(method: str) -> Callable[..., Awaitable[None]]:
-        async def handler(self: Any, request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method}: {why}")
-
-        return handler
-
-    cls = type(f"Unimplemented{base.__name__}", (base,), {m: make(m) for m in methods})
-    return cls()

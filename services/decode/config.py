@@ -1,7 +1,6 @@
-"""Configuration of the decode service: one frozen dataclass, validated on creation.
+"""Configuration of the decode service: the engine service's settings with decode defaults.
 
-Every field is a flag of ``python -m services.decode`` with a ``PDSERVE_DECODE_*`` twin
-(listed in ``pdserve.env``); the fields are shared with the prefill service. Role
+Every field is a flag of ``python -m services.decode`` with a ``PDSERVE_DECODE_*`` twin. Role
 ``colocated`` makes this one engine do both phases (the baseline, no kvd needed).
 """
 
@@ -10,17 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pdserve.server import config_from_flags
-from pdserve.serving.config import EngineServiceConfig
+from pdserve.env import port_setting
+from pdserve.roles import Role
+from services.engine.config import EngineServiceConfig, role_setting
 
 
 @dataclass(frozen=True)
 class DecodeConfig(EngineServiceConfig):
-    port: int = 50071
-    role: str = "decode"
+    SERVICE = "decode"
+    ROLES: ClassVar[tuple[Role, ...]] = (Role.DECODE, Role.COLOCATED, Role.FLEX)
+    HOME_ROLE: ClassVar[Role] = Role.DECODE
 
-    ROLES: ClassVar[tuple[str, ...]] = ("decode", "colocated", "flex")
-
-    @classmethod
-    def from_argv(cls, argv: list[str] | None = None) -> DecodeConfig:
-        return config_from_flags(cls, "decode", argv)  # type: ignore[no-any-return]
+    port: int = port_setting(50071)
+    role: str = role_setting(Role.DECODE)

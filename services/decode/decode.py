@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.engine.async_engine import RequestStream
 from pdserve.engine.request import Logprob
+from pdserve.engine.text import TextStream
+from pdserve.errors import BadRequest, StatusError
 from pdserve.proto.v1 import common_pb2
+from pdserve.roles import Role
 from pdserve.sampling_params import SamplingParams
-from pdserve.serving import metrics
-from pdserve.serving.async_engine import RequestStream
-from pdserve.serving.convert import BadRequest, BlockRefIn
-from pdserve.serving.instance import Instance, Rejected
-from pdserve.serving.text import TextStream
+from services.engine import metrics
+from services.engine.instance import EngineInstance
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class DecodeJob:
     prompt: list[int]
     params: SamplingParams
     first_token_id: int | None = None
-    blocks: list[BlockRefIn] = field(default_factory=list)
+    blocks: list[common_pb2.BlockRef] = field(default_factory=list)
     source: common_pb2.KvdEndpoint | None = None
     priority: int = 0
     cache_salt: str = ""
@@ -57,9 +58,9 @@ class Chunk:
     cached_tokens: int = 0
 
 
-async def run_decode(inst: Instance, job: DecodeJob, timeout: float) -> AsyncIterator[Chunk]:
+async def run_decode(inst: EngineInstance, job: DecodeJob, timeout: float) -> AsyncIterator[Chunk]:
     if job.first_token_id is None:
-        if inst.role != "colocated":
+        if inst.role != Role.COLOCATED:
             raise BadRequest(f"first_token_id is required on a {inst.role} instance; only a "
                              "colocated engine prefills prompts itself")
         prompt, params = job.prompt, job.params
@@ -80,15 +81,15 @@ async def run_decode(inst: Instance, job: DecodeJob, timeout: float) -> AsyncIte
             await asyncio.shield(inst.aengine.abort(job.request_id))
 
 
-async def _receive_blocks(inst: Instance, job: DecodeJob, timeout: float) -> None:
+async def _receive_blocks(inst: EngineInstance, job: DecodeJob, timeout: float) -> None:
     if not job.blocks:
         return
     stats = await inst.aengine.call(lambda e: e.stats())
     need = len(job.blocks) + 1
     if stats.num_blocks_free < need:
-        raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       f"KV cache: {stats.num_blocks_free} free blocks, this request needs "
-                       f"{need} to start: try another instance")
+        raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"KV cache: {stats.num_blocks_free} free blocks, this request needs "
+                          f"{need} to start: try another instance")
     if inst.bridge is None:
         raise BadRequest("blocks: this instance has no kvd (--kvd) to receive them from")
     start = time.monotonic()
@@ -97,7 +98,7 @@ async def _receive_blocks(inst: Instance, job: DecodeJob, timeout: float) -> Non
     metrics.BLOCKS.labels("imported").inc(len(job.blocks))
 
 
-async def _follow(inst: Instance, job: DecodeJob, stream: RequestStream, prompt: list[int],
+async def _follow(inst: EngineInstance, job: DecodeJob, stream: RequestStream, prompt: list[int],
                   params: SamplingParams) -> AsyncIterator[Chunk]:
     text = TextStream(inst.engine.tokenizer, prompt, params.stop)
     num_done = 0 if job.first_token_id is None else 1

@@ -7,9 +7,7 @@ import logging
 import signal
 import sys
 
-from pdserve import env
-from pdserve.log import setup_logging
-from pdserve.telemetry import init_tracing
+from pdserve.server import run_main
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GatewayServer
@@ -17,8 +15,9 @@ from services.gateway.server import GatewayServer
 log = logging.getLogger(__name__)
 
 
-async def serve(config: GatewayConfig, keys: KeyStore) -> None:
+async def serve(config: GatewayConfig) -> None:
     """Start, print the one ready line, wait for SIGTERM/SIGINT, stop gracefully."""
+    keys = KeyStore.load(config.keys_file, config.api_keys)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -32,20 +31,7 @@ async def serve(config: GatewayConfig, keys: KeyStore) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config = GatewayConfig.from_argv(argv)
-        keys = KeyStore.load(config.keys_file, config.api_keys)
-    except ValueError as exc:
-        sys.stderr.write(f"pdserve gateway: error: {exc}\n")
-        return 2
-    setup_logging("gateway")
-    init_tracing("gateway", env.otel_endpoint())
-    try:
-        asyncio.run(serve(config, keys))
-    except OSError as exc:
-        sys.stderr.write(f"pdserve gateway: error: {exc}\n")
-        return 1
-    return 0
+    return run_main(GatewayConfig, serve, argv)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
+from pdserve.env import ConfigError
 from services.gateway.errors import unauthorized
 
 
@@ -35,20 +36,21 @@ class KeyStore:
 
     @classmethod
     def load(cls, keys_file: str, api_keys: Iterable[str]) -> KeyStore:
-        """From the config's fields; a bad file raises ValueError naming ``--keys-file``."""
+        """From the config's fields; a bad file raises ConfigError naming ``--keys-file``."""
         entries = [(k, "") for k in api_keys]
         if keys_file:
             try:
                 text = Path(keys_file).read_text()
             except OSError as exc:
-                raise ValueError(f"--keys-file: cannot read {keys_file!r}: {exc.strerror}") from exc
+                raise ConfigError(f"--keys-file: cannot read {keys_file!r}: "
+                                  f"{exc.strerror}") from exc
             for num, line in enumerate(text.splitlines(), 1):
                 line = line.strip()
                 if not line or line.startswith("#"):
                     continue
                 key, _, tenant = (part.strip() for part in line.partition(","))
                 if not key or any(c.isspace() for c in key):
-                    raise ValueError(f"--keys-file: line {num}: expected 'key[,tenant]'")
+                    raise ConfigError(f"--keys-file: line {num}: expected 'key[,tenant]'")
                 entries.append((key, tenant))
         return cls(entries)
 

@@ -1,49 +1,40 @@
-"""Configuration of the gateway service: one frozen dataclass, validated on creation.
+"""Configuration of the gateway service: every setting declared once (``pdserve.env``).
 
-Every field is a flag of ``python -m services.gateway`` with a ``PDSERVE_GATEWAY_*`` twin
-(listed in ``pdserve.env``).
+Every field is a flag of ``python -m services.gateway`` with a ``PDSERVE_GATEWAY_*`` twin.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.server import config_from_flags
+from pdserve.env import (
+    ADDRESS,
+    NAME,
+    STR,
+    TOKENS,
+    ServiceConfig,
+    float_kind,
+    int_kind,
+    port_setting,
+    setting,
+)
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000  # HTTP; 0 picks a free one
-    grpc_port: int = 0  # grpc.health.v1 and reflection
-    router: str = "127.0.0.1:50051"
-    keys_file: str = ""
-    api_keys: tuple[str, ...] = ()
-    model_name: str = ""  # alias exposed for the router's (first) model; "" = the router's ids
-    max_body_bytes: int = 4194304
-    request_timeout: float = 600.0  # deadline of every router call, seconds
-    max_choices: int = 64  # n x prompts of one request
-    instance_id: str = ""
+class GatewayConfig(ServiceConfig):
+    SERVICE = "gateway"
 
-    def __post_init__(self) -> None:
-        if not self.host:
-            raise ValueError("--host: must not be empty")
-        for name in ("port", "grpc_port"):
-            value = getattr(self, name)
-            if not 0 <= value <= 65535:
-                raise ValueError(f"--{name.replace('_', '-')}: {value} is not a port (0..65535)")
-        host, sep, port = self.router.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"--router: expected host:port, got {self.router!r}")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"--max-body-bytes: must be >= 1024, got {self.max_body_bytes}")
-        if not self.request_timeout > 0:
-            raise ValueError(f"--request-timeout: must be > 0, got {self.request_timeout}")
-        if self.max_choices < 1:
-            raise ValueError(f"--max-choices: must be >= 1, got {self.max_choices}")
-        if any(not k or any(c.isspace() for c in k) for k in self.api_keys):
-            raise ValueError("--api-keys: keys must be non-empty and without spaces")
-
-    @classmethod
-    def from_argv(cls, argv: list[str] | None = None) -> GatewayConfig:
-        return config_from_flags(cls, "gateway", argv)  # type: ignore[no-any-return]
+    host: str = setting("127.0.0.1", NAME, "HTTP address to bind")
+    port: int = port_setting(8000, "HTTP")
+    grpc_port: int = port_setting(0, "gRPC health and reflection")
+    router: str = setting("127.0.0.1:50051", ADDRESS, "router gRPC address host:port")
+    keys_file: str = setting("", STR,
+                             "API keys file (one 'key[,tenant]' a line); empty = no auth")
+    api_keys: tuple[str, ...] = setting((), TOKENS,
+                                        "API keys, comma-separated (added to the keys file's)")
+    model_name: str = setting("", STR, "model id to expose (default: the router's)")
+    max_body_bytes: int = setting(4 * 1024 * 1024, int_kind(1024), "largest request body")
+    request_timeout: float = setting(600.0, float_kind(0.1),
+                                     "seconds before a request is abandoned")
+    max_choices: int = setting(64, int_kind(1), "most choices (n x prompts) in one request")
+    instance_id: str = setting("", STR, "id in logs and traces")

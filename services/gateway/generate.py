@@ -37,7 +37,7 @@ def finish_reason(msg: router_pb2.GenerateResponse) -> str | None:
 
 
 @dataclass
-class Choice:
+class ChoiceOutput:
     """What one choice has produced so far."""
 
     texts: list[str] = field(default_factory=list)
@@ -68,7 +68,7 @@ class Choice:
         return self.usage.completion_tokens if self.usage is not None else self.num_tokens
 
 
-def usage_of(choices: Sequence[Choice], n: int) -> dict[str, object]:
+def usage_of(choices: Sequence[ChoiceOutput], n: int) -> dict[str, object]:
     """OpenAI usage: each prompt's tokens once (its choices share it), all completions summed."""
     prompt = cached = 0
     for first in choices[::n]:
@@ -156,9 +156,9 @@ class Generation:
                 task.cancel()
 
 
-async def collect(gen: Generation, num_choices: int) -> list[Choice]:
+async def collect(gen: Generation, num_choices: int) -> list[ChoiceOutput]:
     """Read a whole generation (the non-streaming answer)."""
-    choices = [Choice() for _ in range(num_choices)]
+    choices = [ChoiceOutput() for _ in range(num_choices)]
     offsets = [0] * num_choices
     async for i, msg in gen.messages():
         choices[i].add(msg, offsets[i])

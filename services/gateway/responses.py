@@ -16,7 +16,7 @@ from typing import Any
 
 from pdserve.proto.v1 import common_pb2, router_pb2
 from services.gateway.errors import ApiError
-from services.gateway.generate import Choice, usage_of
+from services.gateway.generate import ChoiceOutput, usage_of
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
@@ -64,7 +64,7 @@ def completion_logprobs(entries: Sequence[tuple[router_pb2.GenerateResponse, int
             "text_offset": offsets}
 
 
-def completion_body(rid: str, created: int, model: str, choices: Sequence[Choice], n: int,
+def completion_body(rid: str, created: int, model: str, choices: Sequence[ChoiceOutput], n: int,
                     logprobs: bool) -> dict[str, Any]:
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
@@ -75,9 +75,9 @@ def completion_body(rid: str, created: int, model: str, choices: Sequence[Choice
     }
 
 
-def chat_body(rid: str, created: int, model: str, choices: Sequence[Choice], n: int,
+def chat_body(rid: str, created: int, model: str, choices: Sequence[ChoiceOutput], n: int,
               logprobs: bool) -> dict[str, Any]:
-    def lp(c: Choice) -> dict[str, Any] | None:
+    def lp(c: ChoiceOutput) -> dict[str, Any] | None:
         if not logprobs:
             return None
         return {"content": [e for msg, _ in c.logprobs for e in chat_logprobs(msg)],
@@ -131,7 +131,7 @@ class ChunkWriter:
         choice["finish_reason"] = finish
         return self._head + _dumps([choice]).encode() + self._tail
 
-    def usage(self, choices: Sequence[Choice], n: int) -> bytes:
+    def usage(self, choices: Sequence[ChoiceOutput], n: int) -> bytes:
         """The final ``include_usage`` chunk: usage, and no choices."""
         return self._head + b'[],"usage":' + _dumps(usage_of(choices, n)).encode() + b"}\n\n"
 

@@ -10,22 +10,16 @@ import grpc
 from grpc.aio import UnaryStreamCall as GenerateCall  # of GenerateRequest -> GenerateResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.channel import insecure_channel
 from pdserve.proto.v1 import router_pb2, router_pb2_grpc
-
-_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    # Retries are the router's job (on another instance); the channel must never resend a
-    # Generate by itself.
-    ("grpc.enable_retries", 0),
-]
 
 
 class RouterClient:
     def __init__(self, address: str, timeout: float) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        # Retries are the router's job (on another instance): the channel never resends.
+        self._channel = insecure_channel(address, ("grpc.enable_retries", 0))
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._default_model: str | None = None

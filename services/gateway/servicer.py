@@ -26,7 +26,7 @@ from services.gateway import responses as shapes
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError, bad_request, from_rpc_error, from_validation
-from services.gateway.generate import Choice, Generation, collect
+from services.gateway.generate import ChoiceOutput, Generation, collect
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router_client import RouterClient
 from services.gateway.schema import ChatCompletionRequest, CompletionRequest
@@ -140,7 +140,7 @@ class Gateway:
 
     async def _stream(self, gen: Generation, writer: shapes.ChunkWriter, num_choices: int, n: int,
                       include_usage: bool, end: _StreamEnd) -> AsyncIterator[bytes]:
-        choices = [Choice() for _ in range(num_choices)]
+        choices = [ChoiceOutput() for _ in range(num_choices)]
         # Final chunks wait for the end of the stream so that they, the usage and [DONE] leave
         # in one write: fewer sends per request on the hot path.
         tail: list[bytes] = []
@@ -200,7 +200,7 @@ class Gateway:
         self.metrics.router_errors.labels(exc.code().name).inc()
         return from_rpc_error(exc)
 
-    def _account(self, gen: Generation, choices: list[Choice], n: int, endpoint: str) -> None:
+    def _account(self, gen: Generation, choices: list[ChoiceOutput], n: int, endpoint: str) -> None:
         usage: dict[str, Any] = shapes.usage_of(choices, n)
         self.metrics.count_tokens(usage["prompt_tokens"], usage["completion_tokens"])
         if gen.ttft is not None:

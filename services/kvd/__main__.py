@@ -8,7 +8,7 @@ from prometheus_client import REGISTRY
 
 from pdserve.index import PrefixIndex
 from pdserve.proto.v1 import common_pb2
-from pdserve.server import Service, make_server, run_main
+from pdserve.server import Service, make_server, run_grpc_main
 from services.kvd.config import KvdConfig
 from services.kvd.daemon import Kvd
 from services.kvd.servicer import KvdCollector, KvdServicer, servicers
@@ -16,19 +16,18 @@ from services.kvd.transfer import net_device_for
 
 
 async def create_server(config: KvdConfig) -> Service:
-    servicer = KvdServicer(None, config.secret)  # type: ignore[arg-type]  # bound below
-    svc = make_server(config.host, config.port, servicers(servicer))
-    address = f"{config.host}:{svc.port}"
-    me = common_pb2.KvdEndpoint(node_id=config.node_id or config.instance_id or address,
-                                address=address)
     index: PrefixIndex | None = None
     if config.redis_url:
         from pdserve.index import RedisPrefixIndex
 
         index = RedisPrefixIndex(config.redis_url, config.index_prefix, config.index_ttl)
-    kvd = Kvd(config, me, index, net_device_for(config.ucx_host))
-    servicer.kvd = kvd
-    await kvd.start()  # before the server takes calls: the UCX worker must exist
+    kvd = Kvd(config, index, net_device_for(config.ucx_host))
+    svc = make_server(config.host, config.port, servicers(KvdServicer(kvd)),
+                      secret=config.secret)
+    address = f"{config.host}:{svc.port}"  # the node's default id: known once bound
+    me = common_pb2.KvdEndpoint(node_id=config.node_id or config.instance_id or address,
+                                address=address)
+    await kvd.start(me)  # before the server takes calls: the UCX worker must exist
     collector = KvdCollector(kvd)
     REGISTRY.register(collector)  # type: ignore[arg-type]
 
@@ -41,7 +40,7 @@ async def create_server(config: KvdConfig) -> Service:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("kvd", KvdConfig.from_argv, create_server, argv)
+    return run_grpc_main(KvdConfig, create_server, argv)
 
 
 if __name__ == "__main__":

@@ -1,62 +1,56 @@
-"""Configuration of the kvd service: one frozen dataclass, validated on creation.
+"""Configuration of the kvd service: every setting declared once (``pdserve.env``).
 
-Every field is a flag of ``python -m services.kvd`` with a ``PDSERVE_KVD_*`` twin (listed in
-``pdserve.env``); ``fault_*`` fields are test hooks only.
+Every field is a flag of ``python -m services.kvd`` with a ``PDSERVE_KVD_*`` twin;
+``fault_*`` fields are test hooks only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.server import config_from_flags
+from pdserve.env import (
+    BOOL,
+    STR,
+    float_kind,
+    int_kind,
+    port_setting,
+    redis_url_setting,
+    setting,
+)
+from pdserve.server import GrpcServiceConfig
 
 
 @dataclass(frozen=True)
-class KvdConfig:
-    host: str = "127.0.0.1"
-    port: int = 50081
-    metrics_port: int = -1
-    instance_id: str = ""
-    redis_url: str = ""
-    node_id: str = ""
-    capacity_mib: int = 1024
-    ucx_host: str = "127.0.0.1"
-    ucx_tls: str = "^cma"
-    ucx_error_handling: bool = False
-    secret: str = ""
-    lease_ms: int = 30000
-    index_ttl: int = 300
-    index_prefix: str = "pdserve:"
-    heartbeat: float = 2.0
-    max_batch_blocks: int = 4096
-    transfer_timeout: float = 30.0
-    max_message_kib: int = 8192
-    fault_corrupt_every: int = 0
-    fault_send_delay_ms: int = 0
+class KvdConfig(GrpcServiceConfig):
+    SERVICE = "kvd"
 
-    def __post_init__(self) -> None:
-        if not self.host:
-            raise ValueError("--host: must not be empty")
-        positive = {"capacity_mib": self.capacity_mib, "lease_ms": self.lease_ms,
-                    "index_ttl": self.index_ttl, "heartbeat": self.heartbeat,
-                    "max_batch_blocks": self.max_batch_blocks,
-                    "transfer_timeout": self.transfer_timeout,
-                    "max_message_kib": self.max_message_kib}
-        for name, value in positive.items():
-            if value <= 0:
-                raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
-        if self.max_batch_blocks > 1 << 20:
-            raise ValueError(f"--max-batch-blocks: at most {1 << 20}, got {self.max_batch_blocks}")
-        if self.fault_corrupt_every < 0 or self.fault_send_delay_ms < 0:
-            raise ValueError("--fault-corrupt-every / --fault-send-delay-ms: must be >= 0")
-        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--redis-url: {self.redis_url!r} is not a redis://, rediss:// or "
-                             "unix:// URL")
+    port: int = port_setting(50081)
+    redis_url: str = redis_url_setting()
+    node_id: str = setting("", STR, "node id in the index (default: host:port)")
+    capacity_mib: int = setting(1024, int_kind(1), "shared-memory pool size in MiB")
+    ucx_host: str = setting(
+        "127.0.0.1", STR,
+        "address whose network interface UCX may use (empty or 0.0.0.0 = every one)")
+    ucx_tls: str = setting(
+        "^cma", STR, "UCX_TLS transports; default: every one but CMA (shared memory and TCP "
+        "on a host, RDMA between hosts); empty = UCX's own default")
+    ucx_error_handling: bool = setting(
+        False, BOOL, "UCX peer-failure handling on endpoints (disables shared memory on a host)")
+    secret: str = setting("", STR, "shared secret peers and local clients must present")
+    lease_ms: int = setting(30000, int_kind(100), "default lease of a pin, milliseconds")
+    index_ttl: int = setting(300, int_kind(1), "seconds an index entry lives without refresh")
+    index_prefix: str = setting("pdserve:", STR, "key prefix of the prefix index in Redis")
+    heartbeat: float = setting(2.0, float_kind(0.1), "seconds between registry heartbeats")
+    max_batch_blocks: int = setting(4096, int_kind(1, 1 << 20), "most blocks in one call")
+    transfer_timeout: float = setting(
+        30.0, float_kind(0.1),
+        "seconds a transfer may go without progress before it is abandoned")
+    max_message_kib: int = setting(8192, int_kind(4), "largest UCX message (runs of blocks)")
+    fault_corrupt_every: int = setting(
+        0, int_kind(0), "TEST HOOK: flip a byte of every Nth block sent; 0 = off")
+    fault_send_delay_ms: int = setting(
+        0, int_kind(0), "TEST HOOK: sleep before sending each transfer's bytes; 0 = off")
 
     @property
     def lease_s(self) -> float:
         return self.lease_ms / 1000
-
-    @classmethod
-    def from_argv(cls, argv: list[str] | None = None) -> KvdConfig:
-        return config_from_flags(cls, "kvd", argv)  # type: ignore[no-any-return]

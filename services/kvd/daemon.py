@@ -19,15 +19,15 @@ from multiprocessing import shared_memory
 import grpc
 import numpy as np
 
+from pdserve.errors import BadRequest, StatusError
 from pdserve.hashing import HASH_LEN, block_checksum
 from pdserve.index import IndexUnavailable, NodeRecord, PrefixIndex
 from pdserve.kvd import layout as L
 from pdserve.proto.v1 import common_pb2, kvd_pb2
 from services.kvd.config import KvdConfig
-from services.kvd.errors import KvdError, invalid
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
-from services.kvd.pool import Pin, Pool, SlotState
+from services.kvd.pool import PinRecord, Pool, SlotState
 from services.kvd.shipping import Shipper
 from services.kvd.transfer import Faults, UcxTransport
 
@@ -35,10 +35,9 @@ log = logging.getLogger(__name__)
 
 
 class Kvd:
-    def __init__(self, config: KvdConfig, me: common_pb2.KvdEndpoint,
-                 index: PrefixIndex | None, net_devices: str) -> None:
+    def __init__(self, config: KvdConfig, index: PrefixIndex | None, net_devices: str) -> None:
         self.config = config
-        self.me = me
+        self.me = common_pb2.KvdEndpoint()  # known once the port is bound: ``start``
         self.epoch = int(time.time() * 1000)  # increases across restarts without shared state
         self._index = index
         self.transport = UcxTransport(
@@ -54,7 +53,8 @@ class Kvd:
         self._lease_task: asyncio.Task[None] | None = None
 
     # -- life --------------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, me: common_pb2.KvdEndpoint) -> None:
+        self.me = me
         self.transport.start()
         self.sync.start()
         self._lease_task = asyncio.get_running_loop().create_task(self._expire_leases())
@@ -93,8 +93,8 @@ class Kvd:
         if self.layout is None:
             self._create_pool(layout)
         elif layout.block_bytes != self.layout.block_bytes:
-            raise invalid(f"layout: blocks of {layout.block_bytes} bytes, but this pool's slots "
-                           f"hold {self.layout.block_bytes} (first registered layout)")
+            raise BadRequest(f"layout: blocks of {layout.block_bytes} bytes, but this pool's slots "
+                             f"hold {self.layout.block_bytes} (first registered layout)")
         assert self._shm is not None and self.shipper is not None
         return kvd_pb2.RegisterResponse(
             shm_name=self._shm.name, slot_bytes=self.shipper.slot_bytes,
@@ -105,9 +105,9 @@ class Kvd:
         slot_bytes = layout.block_bytes
         num_slots = self.config.capacity_mib * 1024 * 1024 // slot_bytes
         if num_slots < 1:
-            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"layout: one block ({slot_bytes} bytes) exceeds --capacity-mib "
-                           f"{self.config.capacity_mib}")
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"layout: one block ({slot_bytes} bytes) exceeds --capacity-mib "
+                              f"{self.config.capacity_mib}")
         safe = "".join(c if c.isalnum() else "-" for c in self.me.node_id)[:40]
         self._shm = shared_memory.SharedMemory(f"pdserve-kvd-{safe}-{self.epoch}", create=True,
                                                size=L.segment_bytes(slot_bytes, num_slots))
@@ -128,27 +128,27 @@ class Kvd:
 
     def _ship(self) -> Shipper:
         if self.shipper is None:
-            raise KvdError(grpc.StatusCode.FAILED_PRECONDITION,
-                           "no block layout registered yet: an engine must call Register first")
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "no block layout registered yet: an engine must call Register first")
         return self.shipper
 
     def _check_batch(self, n: int, field: str) -> None:
         if n > self.config.max_batch_blocks:
-            raise invalid(f"{field}: {n} items, more than --max-batch-blocks "
-                          f"{self.config.max_batch_blocks}")
+            raise BadRequest(f"{field}: {n} items, more than --max-batch-blocks "
+                             f"{self.config.max_batch_blocks}")
 
     @staticmethod
     def _check_hash(h: bytes, field: str) -> None:
         if len(h) != HASH_LEN:
-            raise invalid(f"{field}: a block hash is {HASH_LEN} bytes, got {len(h)}")
+            raise BadRequest(f"{field}: a block hash is {HASH_LEN} bytes, got {len(h)}")
 
     def _lease(self, lease_ms: int) -> float:
         return lease_ms / 1000 if lease_ms else self.config.lease_s
 
-    def allocate(self, n: int, lease_ms: int, client_id: str) -> list[Pin]:
+    def allocate(self, n: int, lease_ms: int, client_id: str) -> list[PinRecord]:
         ship = self._ship()
         if n < 1:
-            raise invalid(f"num_slots: must be >= 1, got {n}")
+            raise BadRequest(f"num_slots: must be >= 1, got {n}")
         self._check_batch(n, "num_slots")
         pins = ship.pool.allocate(n, client_id, self._lease(lease_ms))
         self._flush_evictions()
@@ -170,10 +170,10 @@ class Kvd:
             s = pool.check_slot(e.slot, f"entries[{i}].slot")
             pin = pool.pins.get(e.pin_id)
             if pin is None or pin.slot != e.slot or s.state != SlotState.WRITING:
-                raise invalid(f"entries[{i}].pin_id: {e.pin_id} is not a live Allocate pin on "
-                              f"slot {e.slot}")
+                raise BadRequest(f"entries[{i}].pin_id: {e.pin_id} is not a live Allocate pin on "
+                                 f"slot {e.slot}")
         if len({e.slot for e in entries}) != len(entries):
-            raise invalid("entries: a slot appears twice")
+            raise BadRequest("entries: a slot appears twice")
         slots, new = [], []
         for i, e in enumerate(entries):
             checksum = e.checksum or block_checksum(ship.slot_view(e.slot))
@@ -201,20 +201,20 @@ class Kvd:
         self._check_batch(len(pin_ids), "pin_ids")
         unknown = [p for p in pin_ids if p not in ship.pool.pins]
         if unknown:
-            raise invalid(f"pin_ids: unknown or expired pin {unknown[0]}")
+            raise BadRequest(f"pin_ids: unknown or expired pin {unknown[0]}")
         return sum(ship.pool.release(p) for p in pin_ids)
 
     # -- await -------------------------------------------------------------------------------
     async def await_blocks(self, refs: Sequence[common_pb2.BlockRef],
                            source: common_pb2.KvdEndpoint | None, lease_ms: int,
-                           client_id: str, timeout: float) -> list[Pin]:
+                           client_id: str, timeout: float) -> list[PinRecord]:
         ship = self._ship()
         self._check_batch(len(refs), "blocks")
         for i, r in enumerate(refs):
             self._check_hash(r.hash, f"blocks[{i}].hash")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        pins: dict[int, Pin] = {}
+        pins: dict[int, PinRecord] = {}
         pulled = False
         try:
             while True:
@@ -229,24 +229,26 @@ class Kvd:
                     pulled = True
                     continue
                 if to_pull:
-                    raise KvdError(grpc.StatusCode.NOT_FOUND, f"blocks[{to_pull[0]}]: block "
-                                   f"{refs[to_pull[0]].hash.hex()[:16]} was evicted while awaited")
+                    raise StatusError(grpc.StatusCode.NOT_FOUND,
+                                      f"blocks[{to_pull[0]}]: block "
+                                      f"{refs[to_pull[0]].hash.hex()[:16]} was evicted while "
+                                      "awaited")
                 waiting = [ship.inbound[refs[i].hash] for i in missing]
                 done, _ = await asyncio.wait(waiting, timeout=deadline - loop.time(),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
-                    raise KvdError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"blocks: {len(missing)} of {len(refs)} not present within "
-                                   f"the deadline ({timeout:.3g}s)")
+                    raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"blocks: {len(missing)} of {len(refs)} not present within "
+                                      f"the deadline ({timeout:.3g}s)")
                 for fut in done:
-                    fut.result()  # raises the transfer's KvdError
+                    fut.result()  # raises the transfer's StatusError
         except BaseException:
             for pin in pins.values():
                 ship.pool.release(pin.pin_id)
             raise
 
     @staticmethod
-    def _pin_present(ship: Shipper, refs: Sequence[common_pb2.BlockRef], pins: dict[int, Pin],
+    def _pin_present(ship: Shipper, refs: Sequence[common_pb2.BlockRef], pins: dict[int, PinRecord],
                      client_id: str, lease_s: float) -> list[int]:
         missing = []
         for i, r in enumerate(refs):
@@ -269,9 +271,9 @@ class Kvd:
         if source is not None and source.address:
             return common_pb2.KvdEndpoint(node_id=source.node_id or source.address,
                                           address=source.address)
-        not_found = KvdError(grpc.StatusCode.NOT_FOUND, f"blocks[{to_pull[0]}]: block "
-                             f"{refs[to_pull[0]].hash.hex()[:16]} is not here, not in flight, "
-                             "and no source was given or found in the index")
+        not_found = StatusError(grpc.StatusCode.NOT_FOUND, f"blocks[{to_pull[0]}]: block "
+                                f"{refs[to_pull[0]].hash.hex()[:16]} is not here, not in flight, "
+                                "and no source was given or found in the index")
         if self._index is None:
             raise not_found
         try:
@@ -293,17 +295,17 @@ class Kvd:
         for i, r in enumerate(req.blocks):
             self._check_hash(r.hash, f"blocks[{i}].hash")
         if req.slot_bytes != ship.slot_bytes:
-            raise invalid(f"slot_bytes: peer blocks are {req.slot_bytes} bytes, ours "
-                          f"{ship.slot_bytes}")
+            raise BadRequest(f"slot_bytes: peer blocks are {req.slot_bytes} bytes, ours "
+                             f"{ship.slot_bytes}")
         if len(req.slots) != len(req.blocks):
-            raise invalid(f"slots: {len(req.slots)} slots for {len(req.blocks)} blocks")
+            raise BadRequest(f"slots: {len(req.slots)} slots for {len(req.blocks)} blocks")
         if not req.peer.node_id or not req.peer.address or not req.ucx_address:
-            raise invalid("peer: node_id, address and ucx_address are required")
+            raise BadRequest("peer: node_id, address and ucx_address are required")
         if req.direction == kvd_pb2.TransferRequest.DIRECTION_PUSH:
             return await ship.serve_push(req)
         if req.direction == kvd_pb2.TransferRequest.DIRECTION_PULL:
             return ship.serve_pull(req)
-        raise invalid("direction: must be PUSH or PULL")
+        raise BadRequest("direction: must be PUSH or PULL")
 
     def stats(self) -> kvd_pb2.KvdStats:
         out = kvd_pb2.KvdStats(node_id=self.me.node_id, epoch=self.epoch,

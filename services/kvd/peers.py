@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import grpc
 
+from pdserve.channel import SECRET_KEY, insecure_channel
 from pdserve.proto.v1 import kvd_pb2_grpc
-from pdserve.server import GRPC_OPTIONS
 
-SECRET_KEY = "x-pdserve-secret"
 _DOWN = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
 
@@ -21,7 +20,7 @@ class Peers:
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            ch = insecure_channel(address)
             self._channels[address] = ch
         return ch
 

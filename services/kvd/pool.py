@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.kvd.errors import KvdError, invalid
+from pdserve.errors import BadRequest, StatusError
 
 
 class SlotState(enum.IntEnum):
@@ -41,12 +41,11 @@ class Slot:
     hash: bytes = b""
     checksum: int = 0
     num_pins: int = 0
-    last_use: float = 0.0
     epoch: int = 0
 
 
 @dataclass
-class Pin:
+class PinRecord:
     pin_id: int
     slot: int
     client_id: str
@@ -74,14 +73,14 @@ class Pool:
         self._free = list(range(num_slots))  # a min-heap: low slots first keeps runs contiguous
         self.by_hash: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # unpinned PRESENT slots, oldest first
-        self.pins: dict[int, Pin] = {}
+        self.pins: dict[int, PinRecord] = {}
         self._pin_ids = itertools.count(1)
         self.counters = PoolCounters()
 
     # -- queries ---------------------------------------------------------------------------
     def check_slot(self, slot: int, field_name: str) -> Slot:
         if not 0 <= slot < self.num_slots:
-            raise invalid(f"{field_name}: slot {slot} out of range 0..{self.num_slots - 1}")
+            raise BadRequest(f"{field_name}: slot {slot} out of range 0..{self.num_slots - 1}")
         return self.slots[slot]
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
@@ -112,9 +111,9 @@ class Pool:
     def _take(self, n: int, what: str) -> list[int]:
         """``n`` slots (free first, then evicting LRU blocks), all or none."""
         if n > len(self._free) + len(self._lru):
-            raise KvdError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{what}: {n} slots wanted, {len(self._free)} free and "
-                           f"{len(self._lru)} evictable of {self.num_slots}")
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{what}: {n} slots wanted, {len(self._free)} free and "
+                              f"{len(self._lru)} evictable of {self.num_slots}")
         while len(self._free) < n:
             self._evict_one()
         return [heapq.heappop(self._free) for _ in range(n)]
@@ -132,12 +131,12 @@ class Pool:
         s.state, s.hash, s.checksum, s.num_pins = SlotState.FREE, b"", 0, 0
         heapq.heappush(self._free, slot)
 
-    def allocate(self, n: int, client_id: str, lease_s: float) -> list[Pin]:
+    def allocate(self, n: int, client_id: str, lease_s: float) -> list[PinRecord]:
         """``n`` WRITING slots, each pinned under a lease. RESOURCE_EXHAUSTED at once if not."""
         pins = []
         for slot in self._take(n, "num_slots"):
             s = self.slots[slot]
-            s.state, s.epoch, s.last_use = SlotState.WRITING, self.epoch, self._clock()
+            s.state, s.epoch = SlotState.WRITING, self.epoch
             pins.append(self._pin(slot, client_id, lease_s))
         return pins
 
@@ -146,24 +145,23 @@ class Pool:
         slots = self._take(len(hashes), "blocks")
         for slot, h in zip(slots, hashes, strict=True):
             s = self.slots[slot]
-            s.state, s.hash, s.epoch, s.last_use = SlotState.IN_FLIGHT, h, self.epoch, self._clock()
+            s.state, s.hash, s.epoch = SlotState.IN_FLIGHT, h, self.epoch
         return slots
 
     # -- pins --------------------------------------------------------------------------------
-    def _pin(self, slot: int, client_id: str, lease_s: float) -> Pin:
+    def _pin(self, slot: int, client_id: str, lease_s: float) -> PinRecord:
         s = self.slots[slot]
         s.num_pins += 1
         self._lru.pop(slot, None)
-        pin = Pin(next(self._pin_ids), slot, client_id, self._clock() + lease_s)
+        pin = PinRecord(next(self._pin_ids), slot, client_id, self._clock() + lease_s)
         self.pins[pin.pin_id] = pin
         return pin
 
-    def pin_present(self, h: bytes, client_id: str, lease_s: float) -> Pin | None:
+    def pin_present(self, h: bytes, client_id: str, lease_s: float) -> PinRecord | None:
         """Pin the block ``h`` if it is present here; None if not."""
         slot = self.by_hash.get(h)
         if slot is None:
             return None
-        self.slots[slot].last_use = self._clock()
         return self._pin(slot, client_id, lease_s)
 
     def release(self, pin_id: int) -> bool:
@@ -199,9 +197,9 @@ class Pool:
         s = self.check_slot(slot, f"{field_name}.slot")
         pin = self.pins.get(pin_id)
         if pin is None or pin.slot != slot:
-            raise invalid(f"{field_name}.pin_id: {pin_id} is not a live pin on slot {slot}")
+            raise BadRequest(f"{field_name}.pin_id: {pin_id} is not a live pin on slot {slot}")
         if s.state != SlotState.WRITING:
-            raise invalid(f"{field_name}.slot: slot {slot} is {s.state.name}, not WRITING")
+            raise BadRequest(f"{field_name}.slot: slot {slot} is {s.state.name}, not WRITING")
         existing = self.by_hash.get(h)
         if existing is not None:
             self.release(pin_id)  # frees the WRITING slot: the present copy wins
@@ -210,7 +208,7 @@ class Pool:
             moved.pin_id = pin_id  # the writer keeps its pin id, now on the present copy
             self.pins[pin_id] = moved
             return existing
-        s.state, s.hash, s.checksum, s.last_use = SlotState.PRESENT, h, checksum, self._clock()
+        s.state, s.hash, s.checksum = SlotState.PRESENT, h, checksum
         self.by_hash[h] = slot
         return slot
 
@@ -222,7 +220,7 @@ class Pool:
         if s.hash in self.by_hash:
             self._set_free(slot)
             return False
-        s.state, s.checksum, s.last_use = SlotState.PRESENT, checksum, self._clock()
+        s.state, s.checksum = SlotState.PRESENT, checksum
         self.by_hash[s.hash] = slot
         self._lru[slot] = None
         return True

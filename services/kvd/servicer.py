@@ -2,49 +2,25 @@
 
 from __future__ import annotations
 
-import functools
-import hmac
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pdserve.errors import BadRequest, rpc_handler
 from pdserve.kvd.layout import BlockLayout
 from pdserve.proto.v1 import kvd_pb2, kvd_pb2_grpc
 from services.kvd.daemon import Kvd
-from services.kvd.errors import KvdError
-from services.kvd.peers import SECRET_KEY
-
-R = TypeVar("R")
-Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[R]]
-
-
-def _rpc(fn: Handler[R]) -> Handler[R]:
-    """Check the shared secret, then map KvdError to its status code."""
-
-    @functools.wraps(fn)
-    async def wrapper(self: KvdServicer, request: Any, context: grpc.aio.ServicerContext) -> R:
-        if self.secret:
-            given = dict(context.invocation_metadata() or ()).get(SECRET_KEY, "")
-            if not hmac.compare_digest(str(given).encode(), self.secret.encode()):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                    f"metadata {SECRET_KEY}: missing or wrong shared secret")
-        try:
-            return await fn(self, request, context)
-        except KvdError as exc:
-            await context.abort(exc.code, exc.message)
-            raise  # unreachable: abort raises
-
-    return wrapper
 
 
 class KvdServicer(kvd_pb2_grpc.KvdServicer):
-    def __init__(self, kvd: Kvd, secret: str) -> None:
-        self.kvd = kvd
-        self.secret = secret
+    """Every rpc delegates to ``Kvd``; the shared secret is checked before (``SecretCheck``)."""
 
-    @_rpc
+    def __init__(self, kvd: Kvd) -> None:
+        self.kvd = kvd
+
+    @rpc_handler("Register")
     async def Register(self, request: kvd_pb2.RegisterRequest,
                        context: grpc.aio.ServicerContext) -> kvd_pb2.RegisterResponse:
         lay = request.layout
@@ -52,28 +28,28 @@ class KvdServicer(kvd_pb2_grpc.KvdServicer):
             layout = BlockLayout(lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim,
                                  lay.dtype, lay.model_fingerprint)
         except ValueError as exc:
-            raise KvdError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+            raise BadRequest(str(exc)) from exc
         return self.kvd.register(layout)
 
-    @_rpc
+    @rpc_handler("Allocate")
     async def Allocate(self, request: kvd_pb2.AllocateRequest,
                        context: grpc.aio.ServicerContext) -> kvd_pb2.AllocateResponse:
         pins = self.kvd.allocate(request.num_slots, request.lease_ms, request.client_id)
         return kvd_pb2.AllocateResponse(pins=[kvd_pb2.Pin(slot=p.slot, pin_id=p.pin_id)
                                               for p in pins])
 
-    @_rpc
+    @rpc_handler("Commit")
     async def Commit(self, request: kvd_pb2.CommitRequest,
                      context: grpc.aio.ServicerContext) -> kvd_pb2.CommitResponse:
         dest = request.destination if request.HasField("destination") else None
         return await self.kvd.commit(request.entries, dest, request.release)
 
-    @_rpc
+    @rpc_handler("Lookup")
     async def Lookup(self, request: kvd_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> kvd_pb2.LookupResponse:
         return kvd_pb2.LookupResponse(num_present=self.kvd.lookup(request.hashes))
 
-    @_rpc
+    @rpc_handler("Await")
     async def Await(self, request: kvd_pb2.AwaitRequest,
                     context: grpc.aio.ServicerContext) -> kvd_pb2.AwaitResponse:
         remaining = context.time_remaining()
@@ -86,17 +62,17 @@ class KvdServicer(kvd_pb2_grpc.KvdServicer):
         return kvd_pb2.AwaitResponse(pins=[kvd_pb2.Pin(slot=p.slot, pin_id=p.pin_id)
                                            for p in pins])
 
-    @_rpc
+    @rpc_handler("Release")
     async def Release(self, request: kvd_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> kvd_pb2.ReleaseResponse:
         return kvd_pb2.ReleaseResponse(num_released=self.kvd.release(request.pin_ids))
 
-    @_rpc
+    @rpc_handler("Stats")
     async def Stats(self, request: kvd_pb2.KvdStatsRequest,
                     context: grpc.aio.ServicerContext) -> kvd_pb2.KvdStats:
         return self.kvd.stats()
 
-    @_rpc
+    @rpc_handler("Transfer")
     async def Transfer(self, request: kvd_pb2.TransferRequest,
                        context: grpc.aio.ServicerContext) -> kvd_pb2.TransferResponse:
         return await self.kvd.transfer(request)

@@ -35,12 +35,12 @@ from typing import Any
 import grpc
 import numpy as np
 
+from pdserve.errors import StatusError
 from pdserve.hashing import block_checksum
 from pdserve.proto.v1 import common_pb2, kvd_pb2
-from services.kvd.errors import KvdError
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
-from services.kvd.pool import Pin, Pool
+from services.kvd.pool import PinRecord, Pool
 from services.kvd.transfer import Message, TransportError, UcxTransport
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class Shipper:
         start = self._data_offset + slot * self.slot_bytes
         return self._arr[start:start + self.slot_bytes].data
 
-    def _pin_for_transfer(self, slot: int) -> Pin:
+    def _pin_for_transfer(self, slot: int) -> PinRecord:
         h = self.pool.slots[slot].hash
         pin = self.pool.pin_present(h, "kvd:transfer", 2 * self._timeout + RPC_TIMEOUT_S)
         assert pin is not None
@@ -155,14 +155,14 @@ class Shipper:
                                         slots=[p.slot for p in pins], checksums=checksums)
 
     async def _send(self, dest: common_pb2.KvdEndpoint, address: bytes, tid: int,
-                    messages: list[Message], pins: list[Pin]) -> None:
+                    messages: list[Message], pins: list[PinRecord]) -> None:
         try:
             ep = await self._transport.endpoint(dest.node_id, address)
             send = asyncio.ensure_future(self._transport.send(ep, tid, messages))
             await self._watch(send, dest)
             self.counters.bytes_out += len(pins) * self.slot_bytes
             self.counters.num_transfers += 1
-        except (KvdError, TransportError) as exc:
+        except (StatusError, TransportError) as exc:
             log.warning("send failed", extra={"fields": {"dest": dest.node_id, "error": str(exc)}})
             self.counters.num_errors += 1
             self._transport.drop(dest.node_id)
@@ -180,11 +180,11 @@ class Shipper:
             if self._peers.is_down(peer.address) or loop.time() > deadline:
                 task.cancel()
                 self._transport.drop(peer.node_id)
-                raise KvdError(grpc.StatusCode.UNAVAILABLE,
-                               f"peer {peer.node_id} lost or stalled mid-transfer")
+                raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                                  f"peer {peer.node_id} lost or stalled mid-transfer")
         task.result()
 
-    def _release(self, pins: list[Pin]) -> None:
+    def _release(self, pins: list[PinRecord]) -> None:
         for p in pins:
             self.pool.release(p.pin_id)
 
@@ -206,7 +206,7 @@ class Shipper:
             try:
                 ep = await self._transport.endpoint(req.peer.node_id, req.ucx_address)
             except TransportError as exc:
-                err = KvdError(grpc.StatusCode.UNAVAILABLE, str(exc))
+                err = StatusError(grpc.StatusCode.UNAVAILABLE, str(exc))
                 self._fail(tr, range(len(refs)), err)
                 raise err from exc
             self._spawn(self._receive(tr, ep, self._transport.plan(src, slots)))
@@ -241,13 +241,13 @@ class Shipper:
             resp = await self._peers.stub(tr.peer.address).Transfer(
                 req, timeout=RPC_TIMEOUT_S, metadata=self._peers.metadata)
         except grpc.RpcError as exc:
-            self._fail(tr, range(len(tr.hashes)), KvdError(
+            self._fail(tr, range(len(tr.hashes)), StatusError(
                 grpc.StatusCode.UNAVAILABLE, f"source {tr.peer.node_id or tr.peer.address} "
                 f"unreachable: {exc.code().name}"))  # type: ignore[attr-defined]
             return
         missing = [i for i, ok in enumerate(resp.accepted) if not ok]
-        self._fail(tr, missing, KvdError(grpc.StatusCode.NOT_FOUND,
-                                         f"source {tr.peer.node_id} does not hold the block"))
+        self._fail(tr, missing, StatusError(grpc.StatusCode.NOT_FOUND,
+                                            f"source {tr.peer.node_id} does not hold the block"))
         keep = [i for i, ok in enumerate(resp.accepted) if ok]
         if not keep:
             return
@@ -257,7 +257,7 @@ class Shipper:
         try:
             ep = await self._transport.endpoint(tr.peer.node_id, resp.ucx_address)
         except TransportError as exc:
-            self._fail(got, range(len(keep)), KvdError(grpc.StatusCode.UNAVAILABLE, str(exc)))
+            self._fail(got, range(len(keep)), StatusError(grpc.StatusCode.UNAVAILABLE, str(exc)))
             return
         await self._receive(got, ep, self._transport.plan(list(resp.slots), got.slots))
 
@@ -280,12 +280,12 @@ class Shipper:
                 if done:
                     last = loop.time()
                 elif self._peers.is_down(tr.peer.address):
-                    raise KvdError(grpc.StatusCode.UNAVAILABLE,
-                                   f"peer {tr.peer.node_id} lost mid-transfer")
+                    raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                                      f"peer {tr.peer.node_id} lost mid-transfer")
                 elif loop.time() - last > self._timeout:
-                    raise KvdError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"peer {tr.peer.node_id} stalled for {self._timeout}s")
-        except (KvdError, TransportError) as exc:
+                    raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      f"peer {tr.peer.node_id} stalled for {self._timeout}s")
+        except (StatusError, TransportError) as exc:
             await self._abort(tr, tasks, messages, firsts, done_msgs, exc)
             return
         self.counters.num_transfers += 1
@@ -317,7 +317,7 @@ class Shipper:
 
     def _refetch(self, tr: Inbound, bad: list[int]) -> None:
         if tr.attempt > 0:
-            self._fail(tr, bad, KvdError(
+            self._fail(tr, bad, StatusError(
                 grpc.StatusCode.DATA_LOSS, f"block checksum mismatch twice from "
                 f"{tr.peer.node_id}: {', '.join(tr.hashes[p].hex()[:16] for p in bad[:4])}"))
             return
@@ -332,7 +332,7 @@ class Shipper:
         self.counters.num_errors += 1
         self._transport.drop(tr.peer.node_id)  # cancels the receives still posted
         await asyncio.wait(tasks, timeout=1.0)
-        err = exc if isinstance(exc, KvdError) else KvdError(
+        err = exc if isinstance(exc, StatusError) else StatusError(
             grpc.StatusCode.UNAVAILABLE, f"transfer from {tr.peer.node_id} failed: {exc}")
         for i, task in enumerate(tasks):
             if i in done_msgs:
@@ -346,12 +346,12 @@ class Shipper:
                 for p in positions:
                     self._resolve(tr.hashes[p], err)
 
-    def _fail(self, tr: Inbound, positions: Sequence[int], err: KvdError) -> None:
+    def _fail(self, tr: Inbound, positions: Sequence[int], err: StatusError) -> None:
         for p in positions:
             self.pool.abandon(tr.slots[p])
             self._resolve(tr.hashes[p], err)
 
-    def _resolve(self, h: bytes, err: KvdError | None) -> None:
+    def _resolve(self, h: bytes, err: StatusError | None) -> None:
         fut = self.inbound.pop(h, None)
         if fut is not None and not fut.done():
             if err is None:

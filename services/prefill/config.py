@@ -1,7 +1,6 @@
-"""Configuration of the prefill service: one frozen dataclass, validated on creation.
+"""Configuration of the prefill service: the engine service's settings with prefill defaults.
 
-Every field is a flag of ``python -m services.prefill`` with a ``PDSERVE_PREFILL_*`` twin
-(listed in ``pdserve.env``); the fields are shared with the decode service.
+Every field is a flag of ``python -m services.prefill`` with a ``PDSERVE_PREFILL_*`` twin.
 """
 
 from __future__ import annotations
@@ -9,17 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pdserve.server import config_from_flags
-from pdserve.serving.config import EngineServiceConfig
+from pdserve.env import port_setting
+from pdserve.roles import Role
+from services.engine.config import EngineServiceConfig, role_setting
 
 
 @dataclass(frozen=True)
 class PrefillConfig(EngineServiceConfig):
-    port: int = 50061
-    role: str = "prefill"
+    SERVICE = "prefill"
+    ROLES: ClassVar[tuple[Role, ...]] = (Role.PREFILL, Role.FLEX)
+    HOME_ROLE: ClassVar[Role] = Role.PREFILL
 
-    ROLES: ClassVar[tuple[str, ...]] = ("prefill", "flex")
-
-    @classmethod
-    def from_argv(cls, argv: list[str] | None = None) -> PrefillConfig:
-        return config_from_flags(cls, "prefill", argv)  # type: ignore[no-any-return]
+    port: int = port_setting(50061)
+    role: str = role_setting(Role.PREFILL)

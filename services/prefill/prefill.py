@@ -19,15 +19,17 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import grpc
+
 from pdserve.engine.request import Logprob, RequestOutput
+from pdserve.engine.text import TextStream
+from pdserve.errors import StatusError
 from pdserve.hashing import hash_blocks
+from pdserve.kvd.bridge import Exported
 from pdserve.proto.v1 import common_pb2
 from pdserve.sampling_params import SamplingParams
-from pdserve.serving import metrics
-from pdserve.serving.convert import Exported
-from pdserve.serving.errors import Aborted
-from pdserve.serving.instance import Instance
-from pdserve.serving.text import TextStream
+from services.engine import metrics
+from services.engine.instance import EngineInstance
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class _Commits:
     seconds: float = 0.0
 
 
-async def run_prefill(inst: Instance, job: PrefillJob, kvd_timeout: float) -> PrefillResult:
+async def run_prefill(inst: EngineInstance, job: PrefillJob, kvd_timeout: float) -> PrefillResult:
     bs = inst.block_size
     hashes = hash_blocks(job.prompt, bs, inst.engine.config.fingerprint, job.cache_salt)
     commits = _Commits()
@@ -89,13 +91,13 @@ async def run_prefill(inst: Instance, job: PrefillJob, kvd_timeout: float) -> Pr
     return result
 
 
-async def _consume(inst: Instance, stream: object, job: PrefillJob,
+async def _consume(inst: EngineInstance, stream: object, job: PrefillJob,
                    commits: _Commits) -> RequestOutput:
     """Follow the engine's chunks, committing each chunk's full blocks as it lands."""
     final: RequestOutput | None = None
     async for out in stream:  # type: ignore[attr-defined]
         if out.finished and out.finish_reason == "abort":
-            raise Aborted(f"request {job.request_id!r} was aborted")
+            raise StatusError(grpc.StatusCode.ABORTED, f"request {job.request_id!r} was aborted")
         if out.new_full_blocks:
             await _commit(inst, out.new_full_blocks, job.destination, commits)
         if out.finished:
@@ -104,7 +106,7 @@ async def _consume(inst: Instance, stream: object, job: PrefillJob,
     return final
 
 
-async def _commit(inst: Instance, blocks: list[tuple[bytes, int]],
+async def _commit(inst: EngineInstance, blocks: list[tuple[bytes, int]],
                   destination: common_pb2.KvdEndpoint | None, commits: _Commits) -> None:
     todo = [(h, p) for h, p in blocks if h not in commits.done]
     if inst.bridge is None or not todo:
@@ -116,7 +118,7 @@ async def _commit(inst: Instance, blocks: list[tuple[bytes, int]],
     metrics.BLOCKS.labels("exported").inc(len(todo))
 
 
-async def _finish(inst: Instance, job: PrefillJob, final: RequestOutput, hashes: list[bytes],
+async def _finish(inst: EngineInstance, job: PrefillJob, final: RequestOutput, hashes: list[bytes],
                   commits: _Commits) -> PrefillResult:
     block_hashes, page_ids = final.block_hashes or [], final.page_ids or []
     # Blocks the engine took from its own prefix cache were never reported as new: kvd may
@@ -134,7 +136,7 @@ async def _finish(inst: Instance, job: PrefillJob, final: RequestOutput, hashes:
         finish_reason=_first_finish(inst, job, first, text), text=text)
 
 
-def _first_finish(inst: Instance, job: PrefillJob, token: int, text: str) -> str | None:
+def _first_finish(inst: EngineInstance, job: PrefillJob, token: int, text: str) -> str | None:
     """Whether the first token already ends the request. The engine ran it prefill_only and
     so always says "stop"; the request's own stop rules decide here."""
     params = job.params

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from pdserve.server import Service, make_server, run_main
+from pdserve.server import Service, make_server, run_grpc_main
 from services.router.config import RouterConfig
 from services.router.core import Router
 from services.router.instances import InstancePool
@@ -12,7 +12,7 @@ from services.router.model import ModelSpec, load_model_spec
 from services.router.policy import make_policy
 from services.router.prefix import IndexClient, PrefixLookup
 from services.router.quotas import QuotaBook, load_quotas
-from services.router.requests import Limits
+from services.router.requests import RouterLimits
 from services.router.servicer import servicers
 
 
@@ -45,7 +45,7 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
                           config.index_timeout),
         policy=make_policy(config.policy), quotas=QuotaBook(quotas),
         block_size=config.block_size,
-        limits=Limits(config.max_prompt_tokens, config.max_tokens),
+        limits=RouterLimits(config.max_prompt_tokens, config.max_tokens),
         max_concurrent=config.max_concurrent, max_retries=config.max_retries,
         poll_interval=config.poll_interval)
 
@@ -60,7 +60,7 @@ async def create_server(config: RouterConfig, model: ModelSpec | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("router", RouterConfig.from_argv, create_server, argv)
+    return run_grpc_main(RouterConfig, create_server, argv)
 
 
 if __name__ == "__main__":

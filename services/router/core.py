@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.context import Context
 
+from pdserve.errors import StatusError
 from pdserve.hashing import hash_blocks
 from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
+from pdserve.roles import Role
 from services.router import metrics
 from services.router.flow import Flow, relay_decode, run_prefill
 from services.router.instances import Instance, InstancePool
@@ -38,7 +40,7 @@ from services.router.model import ModelSpec
 from services.router.policy import Choice, RouteQuery, RoutingPolicy
 from services.router.prefix import IndexClient
 from services.router.quotas import QuotaBook, QuotaExceeded
-from services.router.requests import Limits, Prepared, RouteError, prepare
+from services.router.requests import Prepared, RouterLimits, prepare
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ class Router:
     policy: RoutingPolicy
     quotas: QuotaBook
     block_size: int
-    limits: Limits
+    limits: RouterLimits
     max_concurrent: int = 1024
     max_retries: int = 2
     poll_interval: float = 1.0
@@ -91,9 +93,8 @@ class Router:
 
     async def poll(self) -> None:
         await asyncio.gather(self.pool.poll_once(), self.index.probe())
-        for name, role in (("prefill", common_pb2.ROLE_PREFILL), ("decode", common_pb2.ROLE_DECODE),
-                           ("colocated", common_pb2.ROLE_COLOCATED)):
-            metrics.HEALTHY_INSTANCES.labels(name).set(len(self.pool.healthy(role)))
+        for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED):
+            metrics.HEALTHY_INSTANCES.labels(role).set(len(self.pool.healthy(role.proto)))
 
     async def _poll_loop(self) -> None:
         while True:
@@ -107,7 +108,7 @@ class Router:
                        time_remaining: Callable[[], float | None],
                        trace_context: Context | None = None,
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Stream the answer to ``request``; raises ``RouteError`` for a status to return."""
+        """Stream the answer to ``request``; raises ``StatusError`` for a status to return."""
         arrived = time.perf_counter()
         if _is_heavy(request):  # tokenizing and hashing a long prompt must not stall the loop
             prepared, hashes = await asyncio.to_thread(self._prepare, request)
@@ -116,14 +117,14 @@ class Router:
         tenant = prepared.meta.tenant
         cost = len(prepared.prompt_ids) + prepared.sampling.max_tokens
         if self.num_in_flight >= self.max_concurrent:
-            raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"router: {self.num_in_flight} requests in flight "
-                             f"(--max-concurrent {self.max_concurrent})", retry_after=1.0)
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"router: {self.num_in_flight} requests in flight "
+                              f"(--max-concurrent {self.max_concurrent})", retry_after=1.0)
         try:
             self.quotas.acquire(tenant, cost)
         except QuotaExceeded as exc:
-            raise RouteError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
-                             exc.retry_after) from exc
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
+                              exc.retry_after) from exc
         span = metrics.tracer.start_span("router.generate", context=trace_context)
         span.set_attribute("pdserve.request_id", prepared.meta.request_id)
         flow = Flow(prepared, time_remaining, metrics.trace_metadata(span), arrived,
@@ -168,7 +169,7 @@ class Router:
         else:
             decodes = self.pool.healthy(common_pb2.ROLE_COLOCATED)
             if not decodes:
-                raise RouteError(grpc.StatusCode.UNAVAILABLE, self._no_capacity())
+                raise StatusError(grpc.StatusCode.UNAVAILABLE, self._no_capacity())
             flow.choice = self._place_colocated(flow, decodes)
             self._count_placement(flow)
         async for message in relay_decode(flow, self.policy, self.pool, decodes, first):
@@ -178,7 +179,7 @@ class Router:
         assert flow.query is not None
         choice = self.policy.choose(flow.query, [], decodes)
         if choice is None:
-            raise RouteError(grpc.StatusCode.UNAVAILABLE, self._no_capacity())
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, self._no_capacity())
         return choice
 
     def _count_placement(self, flow: Flow) -> None:

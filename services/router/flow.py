@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.errors import StatusError
 from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
 from services.router import metrics
 from services.router.instances import Instance, InstancePool
 from services.router.policy import Choice, RouteQuery, RoutingPolicy
-from services.router.requests import Prepared, RouteError
+from services.router.requests import Prepared
 
 # Worth another instance: it was busy, down, broke, or no longer in that role (a flex engine
 # that switched: FAILED_PRECONDITION). Anything else (INVALID_ARGUMENT, ...) would fail the
@@ -44,7 +45,7 @@ class Flow:
         """Seconds left for an outbound call: the client's deadline, never more."""
         left = self.time_remaining()
         if left is not None and left <= 0:
-            raise RouteError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded in the router")
+            raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded in the router")
         return left
 
     def before_call(self) -> None:
@@ -67,11 +68,11 @@ class Flow:
             prompt_tokens=len(self.prepared.prompt_ids))
 
 
-def _rpc_error(exc: grpc.RpcError, where: str) -> RouteError:
+def _rpc_error(exc: grpc.RpcError, where: str) -> StatusError:
     code = exc.code()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return RouteError(code, f"deadline exceeded waiting for {where}")
-    return RouteError(code, f"{where}: {exc.details()}")
+        return StatusError(code, f"deadline exceeded waiting for {where}")
+    return StatusError(code, f"{where}: {exc.details()}")
 
 
 async def run_prefill(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
@@ -116,7 +117,7 @@ async def run_prefill(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
         flow.choice, flow.prefill_response = choice, response
         return _first_message(flow, response)
     why = "; ".join(failures) if failures else "no healthy prefill instance"
-    raise RouteError(grpc.StatusCode.UNAVAILABLE, f"no capacity: prefill failed ({why})")
+    raise StatusError(grpc.StatusCode.UNAVAILABLE, f"no capacity: prefill failed ({why})")
 
 
 def _first_message(flow: Flow, response: engine_pb2.PrefillResponse,
@@ -168,15 +169,15 @@ async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
             if code == grpc.StatusCode.DEADLINE_EXCEEDED or code not in RETRYABLE:
                 raise _rpc_error(exc, where) from exc
             if flow.num_decode_chunks > chunks_before:  # the client has part of this answer
-                raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                                 f"{where} failed after {flow.num_tokens_sent} tokens were sent: "
-                                 f"{code.name} {exc.details()}") from exc
+                raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                                  f"{where} failed after {flow.num_tokens_sent} tokens were sent: "
+                                  f"{code.name} {exc.details()}") from exc
             tried.append(decode.address)
             replacement = _next_decode(flow, policy, decodes, tried)
             if replacement is None or attempt == flow.max_retries:
-                raise RouteError(grpc.StatusCode.UNAVAILABLE,
-                                 f"no capacity: {where} failed ({code.name} {exc.details()}) "
-                                 f"and no other decode instance is left to try") from exc
+                raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                                  f"no capacity: {where} failed ({code.name} {exc.details()}) "
+                                  f"and no other decode instance is left to try") from exc
             metrics.RETRIES.labels("decode").inc()
             decode, first = replacement, None
 

@@ -20,20 +20,20 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
+from pdserve.channel import insecure_channel
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.registry import InstanceRecord, list_instances
-from pdserve.server import GRPC_OPTIONS
+from pdserve.roles import Role
 
 log = logging.getLogger(__name__)
 
 # An engine that restarts must be back in the rotation within about a poll: gRPC's default
 # reconnect backoff grows to two minutes.
-CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100),
+                     ("grpc.min_reconnect_backoff_ms", 100),
+                     ("grpc.max_reconnect_backoff_ms", 1000))
 # How long requests in flight on an instance that left the registry may still finish.
 EXPIRED_GRACE_S = 60.0
-ROLE_BY_NAME = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE,
-                "colocated": common_pb2.ROLE_COLOCATED, "flex": common_pb2.ROLE_UNSPECIFIED}
 
 
 @dataclass
@@ -68,7 +68,7 @@ class Instance:
         if not self.instance_id:
             self.instance_id = self.address
         # One channel per instance for its whole life: no per-request connection setup.
-        self.channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.channel = insecure_channel(self.address, *RECONNECT_OPTIONS)
         self.prefill = engine_pb2_grpc.PrefillStub(self.channel)
         self.decode = engine_pb2_grpc.DecodeStub(self.channel)
         self.engine = engine_pb2_grpc.EngineStub(self.channel)
@@ -83,7 +83,7 @@ class Instance:
         return max(self.stats.num_running, self.num_inflight_decodes)
 
     def update(self, record: InstanceRecord) -> None:
-        self.role = ROLE_BY_NAME[record.role] or self.role
+        self.role = Role(record.role).proto or self.role
         self.instance_id = record.instance_id
         self.kvd_node_id, self.kvd_address = record.kvd_node_id, record.kvd_address
         self.model = record.model
@@ -162,7 +162,7 @@ class InstancePool:
             if address not in self.instances:
                 log.info("instance registered", extra={"fields": {
                     "instance": record.instance_id, "role": record.role, "address": address}})
-                self.instances[address] = Instance(address, ROLE_BY_NAME[record.role])
+                self.instances[address] = Instance(address, Role(record.role).proto)
             self.instances[address].update(record)
         for address, inst in list(self.instances.items()):
             if not inst.is_static and address not in live:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.bench.runner import RunResult, smoke_run
+from pdserve_bench.runner import RunResult, smoke_run
 
 
 def check_smoke_run(base_url: str, num_requests: int = 4, max_tokens: int = 8) -> RunResult:

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.compare import main, summarize_cprofile, summarize_pyspy
-from pdserve.bench.configs import ConfigError, RunConfig, load_config
-from pdserve.bench.report import (
+from pdserve_bench.compare import main, summarize_cprofile, summarize_pyspy
+from pdserve_bench.configs import ConfigError, RunConfig, load_config
+from pdserve_bench.report import (
     ComparisonResult,
     SideResult,
     judge,
     write_report,
 )
-from pdserve.bench.runner import RunResult
-from pdserve.bench.stack import StackError, StackProcess
-from pdserve.bench.stats import RequestResult, summarize
+from pdserve_bench.runner import RunResult
+from pdserve_bench.stack import StackError, StackProcess
+from pdserve_bench.stats import RequestResult, summarize
 
 FAKE = str(Path(__file__).with_name("fake_openai.py"))
 

@@ -7,11 +7,11 @@ import asyncio
 import math
 from pathlib import Path
 
-from pdserve.bench.compare import _router_counters
-from pdserve.bench.configs import RunConfig
-from pdserve.bench.runner import LoadSettings, Target, run_load
-from pdserve.bench.stack import StackProcess
-from pdserve.bench.workload import WorkloadSpec
+from pdserve_bench.compare import _router_counters
+from pdserve_bench.configs import RunConfig
+from pdserve_bench.runner import LoadSettings, Target, run_load
+from pdserve_bench.stack import StackProcess
+from pdserve_bench.workload import WorkloadSpec
 from tests.bench.helpers import check_smoke_run
 
 

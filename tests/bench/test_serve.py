@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdserve.bench.runner import LoadSettings, Target, run_load_async
-from pdserve.bench.serve import main
-from pdserve.bench.workload import WorkloadSpec
 from pdserve.proto.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve_bench.runner import LoadSettings, Target, run_load_async
+from pdserve_bench.serve import main
+from pdserve_bench.workload import WorkloadSpec
 from tests.bench.fake_openai import FakeServer, start
 from tests.bench.helpers import check_smoke_run
 

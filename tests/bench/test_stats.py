@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from pdserve.bench.client import parse_chunk
-from pdserve.bench.stats import (
+from pdserve_bench.client import parse_chunk
+from pdserve_bench.stats import (
     RequestResult,
     format_table,
     percentile,

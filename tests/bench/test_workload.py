@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from pdserve.bench.workload import (
+from pdserve_bench.workload import (
     LengthRange,
     PromptMaker,
     WorkloadSpec,

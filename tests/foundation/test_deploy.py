@@ -25,8 +25,8 @@ def test_kubernetes_manifests_parse_and_cover_every_service() -> None:
     assert SERVICES | {"redis"} == workloads
     env_names = {e["name"] for d in docs if d["kind"] in ("Deployment", "DaemonSet")
                  for c in d["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])}
-    from pdserve import env
+    from pdserve.cli import env_vars
 
-    known = set(env.env_vars())
+    known = set(env_vars())
     pdserve_vars = {n for n in env_names if n.startswith("PDSERVE_") or n == "REDIS_URL"}
     assert pdserve_vars <= known, pdserve_vars - known

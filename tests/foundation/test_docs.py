@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,11 @@ def test_architecture_lists_every_module() -> None:
     assert len(rows) > 50
     missing = [row.split("|")[1].strip() for row in rows if row.split("|")[1] not in doc]
     assert not missing, f"add these modules to docs/architecture.md: {missing}"
+    lines = doc.splitlines()
+    start = lines.index("| module | what it is |") + 2
+    listed = itertools.takewhile(lambda line: line.startswith("| `"), lines[start:])
+    stale = [line.split("|")[1].strip() for line in listed if line not in rows]
+    assert not stale, f"stale rows (run scripts/module_map.py --write): {stale}"
 
 
 def test_readme_shows_the_two_commands() -> None:

@@ -93,7 +93,7 @@ def test_process_ready_line_health_and_sigterm(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["--router", "nowhere"], "--router: expected host:port, got 'nowhere'"),
+    (["--router", "nowhere"], "--router: invalid value 'nowhere' (accepted: host:port)"),
     (["--keys-file", "/no/such/keys"], "--keys-file: cannot read '/no/such/keys'"),
     (["--request-timeout", "0"], "--request-timeout: invalid value '0'"),
 ])

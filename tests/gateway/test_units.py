@@ -54,11 +54,8 @@ def test_config_validation(kwargs: dict[str, object], needle: str) -> None:
 
 
 def test_config_from_env() -> None:
-    from pdserve import env
-
-    values = env.parse_flags("gateway", ["--port", "0"], {"PDSERVE_GATEWAY_API_KEYS": "a,b",
-                                                          "PDSERVE_GATEWAY_MAX_CHOICES": "4"})
-    config = GatewayConfig(**values)
+    config = GatewayConfig.from_argv(["--port", "0"], {"PDSERVE_GATEWAY_API_KEYS": "a,b",
+                                                       "PDSERVE_GATEWAY_MAX_CHOICES": "4"})
     assert (config.port, config.api_keys, config.max_choices) == (0, ("a", "b"), 4)
 
 

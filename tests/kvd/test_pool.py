@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.kvd.errors import KvdError
+from pdserve.errors import StatusError
 from services.kvd.pool import Pool, SlotState
 
 
@@ -52,7 +52,7 @@ def test_lru_eviction_order_and_pins_protect() -> None:
     assert pool.counters.evicted == [h(1), h(3)]
     assert sorted(p.slot for p in new) == [1, 3]
     assert pool.lookup([h(0)]) == 1 and pool.lookup([h(2)]) == 1
-    with pytest.raises(KvdError) as err:
+    with pytest.raises(StatusError) as err:
         pool.allocate(1, "w", 5.0)  # h0 pinned, 2 WRITING, h2 evictable -> 1 ok
         pool.allocate(1, "w", 5.0)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -110,7 +110,7 @@ def test_inflight_arrival_and_abandon() -> None:
 def test_commit_errors_name_the_field(slot: int, pin_ok: bool, message: str) -> None:
     pool = Pool(64, epoch=1)
     pool.allocate(1, "w", 5.0)
-    with pytest.raises(KvdError) as err:
+    with pytest.raises(StatusError) as err:
         pool.commit(slot, 12345, h(0), 1, "entries[0]")
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.message == message

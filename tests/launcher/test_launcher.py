@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pdserve.launcher import build_parser, parse_cpus
+from services.launcher import build_parser, parse_cpus
 from tests.e2e.stack import ROOT, UpStack, child_env
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.bench import router as bench
+from pdserve_bench import router as bench
 
 
 def test_bench_router_runs_and_prints_json(capsys: pytest.CaptureFixture[str]) -> None:

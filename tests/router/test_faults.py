@@ -269,3 +269,19 @@ async def test_failed_request_gets_its_quota_back(cluster: Cluster, tmp_path: Pa
         await client.generate(ids=[1] * 50, max_tokens=40)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     await client.generate(ids=[1] * 50, max_tokens=40)  # 90 of 100 again: nothing was kept
+
+
+async def test_a_router_bug_is_internal_with_the_request_id(cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    router, client = await cluster.router([p], [d])
+
+    def broken(*args: object) -> None:
+        raise ZeroDivisionError("float division by zero")
+
+    router.policy.choose = broken  # type: ignore[method-assign]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.generate(ids=PROMPT, request_id="route-bug")
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert err.value.details() == ("Generate: internal error (ZeroDivisionError) serving request "
+                                   "route-bug; the service log has the details")
+    assert router.num_in_flight == 0 and not p.seen.prefills

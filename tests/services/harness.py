@@ -18,10 +18,12 @@ from typing import Any
 import grpc
 
 from pdserve.engine.engine import Engine
+from pdserve.kvd.bridge import KvBridge
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.server import make_server
-from pdserve.serving.config import EngineServiceConfig
-from pdserve.serving.instance import Instance
+from services.engine.config import EngineServiceConfig
+from services.engine.instance import EngineInstance
+from services.engine.server import servicers
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"pdserve (\w+) listening on ([\d.]+):(\d+)")
@@ -37,18 +39,12 @@ def engine(model: str = "tiny", num_blocks: int = 64, tag: str = "", chunk: int 
 @contextlib.asynccontextmanager
 async def serve(config: EngineServiceConfig, eng: Engine,
                 kvd_client: Any = None) -> AsyncIterator[Any]:
-    """An in-process engine service (prefill or decode servicers by role) on a free port."""
-    from services.decode.servicer import servicers as decode_servicers
-    from services.prefill.servicer import servicers as prefill_servicers
-
-    inst = Instance(config, eng)
-    pick = prefill_servicers if inst.role == "prefill" else decode_servicers
-    svc = make_server("127.0.0.1", 0, pick(inst))
+    """An in-process engine service (its servicers chosen by role) on a free port."""
+    inst = EngineInstance(config, eng)
+    svc = make_server("127.0.0.1", 0, servicers(inst))
     await svc.server.start()
     await inst.start(svc.port)
     if kvd_client is not None:
-        from pdserve.serving.kv_bridge import KvBridge
-
         inst.bridge = KvBridge(inst.aengine, kvd_client, "127.0.0.1:1")
         await inst.bridge.register()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}")
@@ -63,7 +59,7 @@ async def serve(config: EngineServiceConfig, eng: Engine,
 @dataclass
 class Client:
     channel: grpc.aio.Channel
-    instance: Instance | None = None
+    instance: EngineInstance | None = None
 
     @property
     def prefill_stub(self) -> engine_pb2_grpc.PrefillStub:

@@ -16,7 +16,7 @@ import torch
 from pdserve.hashing import block_checksum
 from pdserve.kvd.client import CommitEntry, Pin
 from pdserve.proto.v1 import common_pb2
-from pdserve.serving.config import EngineServiceConfig
+from services.engine.config import EngineServiceConfig
 from tests.services.harness import engine, serve, tokens_of
 from tests.services.test_engine_services import assert_idle, expected
 

@@ -14,7 +14,7 @@ from pdserve.hashing import hash_blocks
 from pdserve.llm import LLM
 from pdserve.proto.v1 import common_pb2, engine_pb2
 from pdserve.sampling_params import SamplingParams
-from pdserve.serving.config import EngineServiceConfig
+from services.engine.config import EngineServiceConfig
 from tests.services.harness import engine, greedy, serve, tokens_of
 
 PROMPTS = {"short": list(range(2, 9)), "one_block": list(range(10, 26)),

@@ -1,4 +1,4 @@
-"""Units of pdserve.serving: streamed text with stop-string holdback, the throughput window,
+"""Units of the engine services: streamed text with stop-string holdback, the throughput window,
 the engine thread under concurrent adds/aborts, and registration in Redis."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import asyncio
 
 import redis.asyncio as aioredis
 
+from pdserve.engine.async_engine import AsyncEngine, ThroughputWindow
+from pdserve.engine.text import TextStream
 from pdserve.registry import list_instances
 from pdserve.sampling_params import SamplingParams
-from pdserve.serving.async_engine import AsyncEngine, ThroughputWindow
-from pdserve.serving.config import EngineServiceConfig
-from pdserve.serving.text import TextStream
+from services.engine.config import EngineServiceConfig
 from tests.services.harness import engine, serve
 
 

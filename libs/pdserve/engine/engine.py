@@ -13,7 +13,7 @@ next reuses them instead of recomputing.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +25,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplerOutput
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.stop import check_stop
+from pdserve.errors import BadRequest
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -70,12 +71,12 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str = "", prefill_only: bool = False) -> None:
-        """Queue a request; raises ValueError naming the bad field."""
+        """Queue a request; raises BadRequest (a ValueError) naming the bad field."""
         self._validate(request_id, prompt_token_ids, params)
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
+            raise BadRequest(f"priority must be an int, got {priority!r}")
         if not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+            raise BadRequest(f"cache_salt must be a str, got {type(cache_salt).__name__}")
         max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         gen = None
         if params.seed is not None:
@@ -90,26 +91,26 @@ class Engine:
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise BadRequest(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise BadRequest(f"params must be SamplingParams, got {type(params).__name__}")
         if len(prompt) == 0:
-            raise ValueError("prompt must not be empty")
+            raise BadRequest("prompt must not be empty")
         if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens; the model's context "
+            raise BadRequest(f"prompt has {len(prompt)} tokens; the model's context "
                              f"(max_model_len) is {self.max_model_len}, leaving no room to "
                              "generate")
         vocab = self.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}) (vocab_size); "
+            raise BadRequest(f"prompt token ids must be in [0, {vocab}) (vocab_size); "
                              f"got {bad[:5]}")
         max_len = min(len(prompt) + params.max_tokens, self.max_model_len)
         if self.kv.num_blocks_for(max_len) > self.kv.pool.num_blocks:
-            raise ValueError(f"prompt + max_tokens ({max_len} tokens) needs more KV blocks "
+            raise BadRequest(f"prompt + max_tokens ({max_len} tokens) needs more KV blocks "
                              f"than the cache has (num_blocks={self.kv.pool.num_blocks})")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none")
+            raise BadRequest("stop strings need a tokenizer; this model has none")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request at any point and free its pages; False if it is unknown."""
@@ -225,7 +226,3 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         return self.kv.pool.reset_prefix_cache()
 
-    def describe(self) -> dict[str, Any]:
-        return {"num_blocks": self.kv.pool.num_blocks, "block_size": self.kv.block_size,
-                "max_model_len": self.max_model_len,
-                "attention_backend": type(self.runner.backend).__name__}

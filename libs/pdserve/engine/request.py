@@ -59,10 +59,6 @@ class Request:
         return len(self.token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
 

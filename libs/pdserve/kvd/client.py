@@ -31,15 +31,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
-import grpc
 import torch
 
+from pdserve.channel import SECRET_KEY, insecure_channel
 from pdserve.hashing import block_checksum
 from pdserve.kvd import layout as L
 from pdserve.proto.v1 import common_pb2, kvd_pb2, kvd_pb2_grpc
-from pdserve.server import GRPC_OPTIONS
 
-SECRET_KEY = "x-pdserve-secret"
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,7 +85,7 @@ class KvdClient:
         if not address:
             raise ValueError("address: the kvd gRPC address host:port must not be empty")
         self.client_id = client_id
-        self._channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self._channel = insecure_channel(address)
         self._stub = kvd_pb2_grpc.KvdStub(self._channel)
         self._md = ((SECRET_KEY, secret),) if secret else ()
         self._timeout = rpc_timeout

@@ -64,10 +64,6 @@ def segment_bytes(slot_bytes: int, num_slots: int) -> int:
     return HEADER_BYTES + slot_bytes * num_slots
 
 
-def slot_offset(slot_bytes: int, slot: int) -> int:
-    return HEADER_BYTES + slot * slot_bytes
-
-
 def write_header(buf: memoryview, slot_bytes: int, num_slots: int, epoch: int) -> None:
     _HEADER.pack_into(buf, 0, _MAGIC, slot_bytes, num_slots, epoch)
 

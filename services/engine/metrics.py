@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 from prometheus_client import Counter, Histogram
 
 REQUESTS = Counter("pdserve_engine_requests_total", "Requests handled, by rpc and outcome "
@@ -16,3 +17,8 @@ KV_WAIT_SECONDS = Histogram("pdserve_decode_kv_wait_seconds", "Decode: waiting f
                             "importing the prompt's KV blocks", buckets=_BUCKETS)
 TOKEN_GAP_SECONDS = Histogram("pdserve_decode_inter_token_seconds", "Decode: time between "
                               "streamed tokens", buckets=_BUCKETS)
+
+
+def count_rpc(rpc: str, code: grpc.StatusCode) -> None:
+    """``rpc_handler``'s hook: one count per Prefill/Decode call and its final status."""
+    REQUESTS.labels(rpc, "ok" if code == grpc.StatusCode.OK else code.name).inc()

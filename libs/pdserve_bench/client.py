@@ -210,7 +210,7 @@ def _take_usage(usage: Any, record: StreamRecord) -> None:
         record.cached_tokens = details["cached_tokens"]
 
 
-class RouterClient(Client):
+class GrpcClient(Client):
     """``pdserve.v1.Router/Generate`` over gRPC (chat input, rendered by the router)."""
 
     def __init__(self, address: str, *, model: str | None = None, ignore_eos: bool = True,

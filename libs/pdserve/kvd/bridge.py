@@ -10,23 +10,50 @@ only for the copy: a commit releases the writer's pins, an import releases the r
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import grpc
 import torch
 
+from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine
+from pdserve.errors import StatusError
 from pdserve.hashing import block_checksum
-from pdserve.kvd.client import CommitEntry, Pin
+from pdserve.kvd.client import CommitEntry, KvdClient, Pin
+from pdserve.kvd.layout import BlockLayout
 from pdserve.proto.v1 import common_pb2
-from pdserve.serving.async_engine import AsyncEngine
-from pdserve.serving.convert import BlockRefIn, Exported
-
-if TYPE_CHECKING:
-    from pdserve.kvd.client import KvdClient
 
 log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+@dataclass(frozen=True)
+class Exported:
+    """A block held by the kvd: its hash and the xxh3 checksum of its bytes."""
+
+    hash: bytes
+    checksum: int
+
+
+def _kvd_status(fn: F) -> F:
+    """The kvd's failures as the engine's callers see them: its status code, marked as the
+    kvd's; a wait that ran out as DEADLINE_EXCEEDED."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except grpc.aio.AioRpcError as exc:
+            raise StatusError(exc.code(), f"kvd: {exc.details()}") from exc
+        except TimeoutError as exc:
+            raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"kvd: {exc or 'timed out'}") from exc
+
+    return wrapper  # type: ignore[return-value]
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -39,9 +66,8 @@ class KvBridge:
         self.address = address
         self.node_id = ""
 
+    @_kvd_status
     async def register(self) -> None:
-        from pdserve.kvd.layout import BlockLayout
-
         cfg = self.aengine.engine.config
         layout = BlockLayout(num_layers=cfg.num_layers,
                              block_size=self.aengine.engine.kv.block_size,
@@ -56,6 +82,7 @@ class KvBridge:
 
     # -- prefill side ---------------------------------------------------------------------
 
+    @_kvd_status
     async def export(self, blocks: Sequence[tuple[bytes, int]],
                      destination: common_pb2.KvdEndpoint | None) -> list[Exported]:
         """Copy engine pages (hash, page id) into fresh kvd slots and commit them, pushing
@@ -80,6 +107,7 @@ class KvBridge:
             raise
         return [Exported(h, c) for (h, _), c in zip(blocks, sums, strict=True)]
 
+    @_kvd_status
     async def load_prefix(self, hashes: Sequence[bytes], timeout: float) -> list[Exported]:
         """Import the leading run of ``hashes`` the local kvd holds; returns those blocks
         with the checksums of their bytes."""
@@ -96,15 +124,14 @@ class KvBridge:
 
     # -- decode side ----------------------------------------------------------------------
 
-    async def receive(self, refs: Sequence[BlockRefIn], source: common_pb2.KvdEndpoint | None,
-                      timeout: float) -> int:
+    @_kvd_status
+    async def receive(self, refs: Sequence[common_pb2.BlockRef],
+                      source: common_pb2.KvdEndpoint | None, timeout: float) -> int:
         """Wait for ``refs`` on the local kvd (pulled from ``source`` if not pushed), import
         them into the engine; returns how many pages were newly filled."""
         if not refs:
             return 0
-        protos = [common_pb2.BlockRef(hash=r.hash, checksum=r.checksum, node_id=r.node_id)
-                  for r in refs]
-        pins = await self.client.await_blocks(protos, source, timeout)
+        pins = await self.client.await_blocks(list(refs), source, timeout)
         await self._import([r.hash for r in refs], pins)
         return len(pins)
 

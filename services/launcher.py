@@ -25,7 +25,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from pdserve import env
+from pdserve.roles import Role
+from services.router.config import RouterConfig
+from services.router.policy import POLICIES
+
+ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"pdserve (\w+) listening on (\S+):(\d+)")
 
 
@@ -94,7 +99,7 @@ class Proc:
         assert self.popen is not None and self.popen.stderr is not None
         for line in self.popen.stderr:
             self.log_tail = [*self.log_tail[-40:], line.rstrip()]
-            if os.environ.get("PDSERVE_UP_VERBOSE"):
+            if env.up_verbose():
                 sys.stderr.write(f"[{self.name}] {line}")
 
     def wait_ready(self, timeout: float) -> None:
@@ -151,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1, help="decode instances (one node each)")
     p.add_argument("--colocated", action="store_true",
                    help="engines doing both phases (the baseline); --decode of them")
-    p.add_argument("--policy", default="cache_aware",
-                   choices=["cache_aware", "least_load", "round_robin"])
+    p.add_argument("--policy", default=RouterConfig.policy, choices=list(POLICIES),
+                   help="the router's routing policy")
     p.add_argument("--keys-file", default="", help="API keys file; none = loopback without auth")
     p.add_argument("--prefill-cpus", default="", help="CPU sets per prefill instance, e.g. '0;1'")
     p.add_argument("--decode-cpus", default="", help="CPU sets per decode/colocated instance")
@@ -172,7 +177,7 @@ class Stack:
         self.procs: list[Proc] = []
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}",
                     "PYTHONUNBUFFERED": "1", "UCXPY_PROGRESS_MODE": "blocking"}
-        self.redis_url = os.environ.get("REDIS_URL", "")
+        self.redis_url = os.environ.get(env.REDIS_URL_VAR, "")
         self.redis: subprocess.Popen[bytes] | None = None
         self.stopping = threading.Event()
 
@@ -199,9 +204,9 @@ class Stack:
     def plan(self) -> None:
         ns, redis = self.ns, ["--redis-url", self.redis_url] if self.redis_url else []
         prefill_cpus, decode_cpus = parse_cpus(ns.prefill_cpus), parse_cpus(ns.decode_cpus)
-        engines: dict[str, list[str]] = {"prefill": [], "decode": []}
-        roles = [("prefill", ns.prefill, prefill_cpus),
-                 ("decode", ns.decode, decode_cpus)]
+        engines: dict[Role, list[str]] = {Role.PREFILL: [], Role.DECODE: []}
+        roles = [(Role.PREFILL, ns.prefill, prefill_cpus),
+                 (Role.DECODE, ns.decode, decode_cpus)]
         for role, count, cpus in roles:
             for i in range(count):
                 cpu = cpus[i % len(cpus)] if cpus else None
@@ -212,7 +217,7 @@ class Stack:
                                     [*redis, "--node-id", f"node-{role[0]}{i}",
                                      "--capacity-mib", str(ns.kvd_capacity_mib)])
                     kvd_flags = ["--kvd", f"{ns.host}:{kvd.port}"]
-                engine_role = "colocated" if ns.colocated else role
+                engine_role = Role.COLOCATED if ns.colocated else role
                 eng = self._add(f"{role}-{i}", role,
                                 ["--model", ns.model, "--role", engine_role,
                                  "--instance-id", f"{role[0]}{i}", *kvd_flags, *redis, *threads,
@@ -220,8 +225,8 @@ class Stack:
                 engines[role].append(f"{ns.host}:{eng.port}")
         router = self._add("router", "router",
                            [*redis, "--model", ns.model, "--policy", ns.policy,
-                            "--prefill", ",".join(engines["prefill"]),
-                            "--decode", ",".join(engines["decode"])])
+                            "--prefill", ",".join(engines[Role.PREFILL]),
+                            "--decode", ",".join(engines[Role.DECODE])])
         self.router_address = f"{ns.host}:{router.port}"
         http_port = ns.port or free_port(ns.host)
         gw_flags = ["--router", self.router_address, "--grpc-port", "0"]

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.runner import LoadSettings
-from pdserve.bench.workload import WORKLOADS, WorkloadSpec
+from pdserve_bench.runner import LoadSettings
+from pdserve_bench.workload import WORKLOADS, WorkloadSpec
 
 # Latencies a comparison's target can be stated on (keys of ``Summary.flat``).
 METRICS = (

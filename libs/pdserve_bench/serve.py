@@ -14,8 +14,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from pdserve.bench.client import APIS
-from pdserve.bench.runner import (
+from pdserve_bench.client import APIS
+from pdserve_bench.runner import (
     LoadSettings,
     RunResult,
     Target,
@@ -23,8 +23,8 @@ from pdserve.bench.runner import (
     settings_json,
     write_json,
 )
-from pdserve.bench.stats import format_table
-from pdserve.bench.workload import WORKLOADS, CountTokens, PromptMaker, WorkloadSpec
+from pdserve_bench.stats import format_table
+from pdserve_bench.workload import WORKLOADS, CountTokens, PromptMaker, WorkloadSpec
 
 
 def _positive(kind: type[float] | type[int]) -> Callable[[str], float | int]:

@@ -28,12 +28,13 @@ import grpc
 import numpy as np
 import torch
 
+from pdserve.env import LOG_LEVEL_VAR
 from pdserve.hashing import block_checksum
 from pdserve.kvd.client import CommitEntry, KvdClient
 from pdserve.kvd.layout import BlockLayout
 from pdserve.proto.v1 import common_pb2
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = BlockLayout(16, 16, 8, 128, "bfloat16")  # 1 MiB per block
 MIB = 1 << 20
 
@@ -57,7 +58,7 @@ asyncio.run(main())
 
 
 def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}", "PDSERVE_LOG_LEVEL": "warning"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}", LOG_LEVEL_VAR: "warning"}
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert proc.stdout is not None

@@ -19,9 +19,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pdserve.bench.client import APIS, Client, HttpClient, RouterClient, StreamRecord
-from pdserve.bench.stats import RequestResult, Summary, summarize, timings_from_events
-from pdserve.bench.workload import (
+from pdserve_bench.client import APIS, Client, GrpcClient, HttpClient, StreamRecord
+from pdserve_bench.stats import RequestResult, Summary, summarize, timings_from_events
+from pdserve_bench.workload import (
     Conversation,
     Plan,
     PromptMaker,
@@ -56,7 +56,7 @@ class Target:
 
     def client(self, request_timeout_s: float) -> Client:
         if self.router:
-            return RouterClient(self.router, model=self.model, ignore_eos=self.ignore_eos,
+            return GrpcClient(self.router, model=self.model, ignore_eos=self.ignore_eos,
                                 temperature=self.temperature, timeout_s=request_timeout_s)
         return HttpClient(self.base_url, api=self.api, model=self.model,
                           ignore_eos=self.ignore_eos, temperature=self.temperature,

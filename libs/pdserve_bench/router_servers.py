@@ -1,5 +1,5 @@
 """The servers ``pdserve bench router`` runs in child processes: instant engines and a bare
-gRPC relay (``python -m pdserve.bench.router_servers engines|relay ...``)."""
+gRPC relay (``python -m pdserve_bench.router_servers engines|relay ...``)."""
 
 from __future__ import annotations
 

@@ -23,16 +23,22 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import grpc
+
 from pdserve.engine.engine import Engine
 from pdserve.engine.request import RequestOutput
+from pdserve.errors import StatusError
 from pdserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class EngineFailed(RuntimeError):
+class EngineFailed(StatusError):
     """The engine raised inside a step; every live request of that step is failed with it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.INTERNAL, message)
 
 
 @dataclass
@@ -42,7 +48,6 @@ class StepTimes:
     added: float = 0.0
     first_scheduled: float | None = None
     compute_s: float = 0.0
-    num_steps: int = 0
 
     @property
     def queue_s(self) -> float:
@@ -153,7 +158,7 @@ class AsyncEngine:
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams, priority: int = 0, cache_salt: str = "",
                           prefill_only: bool = False) -> RequestStream:
-        """Queue a request; raises the engine's ValueError (naming the field) if it is bad."""
+        """Queue a request; raises the engine's BadRequest (naming the field) if it is bad."""
         stream = RequestStream(request_id, StepTimes(added=time.monotonic()))
         self._streams[request_id] = stream  # before the add: its first output may come at once
 
@@ -187,10 +192,6 @@ class AsyncEngine:
     async def release(self, request_id: str) -> None:
         """Free the pages a finished prefill_only request still holds."""
         await self.call(lambda e: e.release(request_id))
-
-    def forget(self, request_id: str) -> None:
-        """Stop delivering to a stream whose caller has gone (after abort/release)."""
-        self._streams.pop(request_id, None)
 
     # -- the engine thread ----------------------------------------------------------------
 
@@ -267,7 +268,6 @@ class AsyncEngine:
                 if stream.times.first_scheduled is None:
                     stream.times.first_scheduled = start
                 stream.times.compute_s += end - start
-                stream.times.num_steps += 1
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:

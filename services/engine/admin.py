@@ -7,16 +7,18 @@ import time
 import grpc
 
 from pdserve.engine.request import EngineStats as CoreStats
+from pdserve.errors import BadRequest, rpc_handler
 from pdserve.proto.v1 import engine_pb2, engine_pb2_grpc
-from pdserve.serving.convert import ROLE_NAMES, ROLES
-from pdserve.serving.instance import Instance, Rejected
+from pdserve.roles import Role
 from pdserve.telemetry import server_span
+from services.engine.instance import EngineInstance
 
 
 class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, instance: Instance) -> None:
+    def __init__(self, instance: EngineInstance) -> None:
         self.instance = instance
 
+    @rpc_handler("Stats")
     async def Stats(self, request: engine_pb2.EngineStatsRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.EngineStats:
         inst = self.instance
@@ -24,7 +26,7 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
         prefill_rate, decode_rate = inst.aengine.window.rates(time.monotonic())
         kvd = inst.bridge.endpoint if inst.bridge is not None else None
         return engine_pb2.EngineStats(
-            instance_id=inst.instance_id, role=ROLES[inst.role], model=inst.config.model,
+            instance_id=inst.instance_id, role=inst.role.proto, model=inst.config.model,
             queue_depth=core.num_waiting, num_running=core.num_running,
             kv_blocks_free=core.num_blocks_free, kv_blocks_used=core.num_blocks_used,
             prefill_tokens_per_s=prefill_rate, decode_tokens_per_s=decode_rate,
@@ -33,31 +35,28 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
             draining=inst.draining, is_flex=inst.is_flex, block_size=inst.block_size,
             decode_tokens=core.num_decode_tokens)
 
+    @rpc_handler("Drain")
     async def Drain(self, request: engine_pb2.DrainRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.DrainResponse:
         with server_span("Engine.Drain", context, wait=request.wait):
             remaining = await self.instance.drain(request.wait)
         return engine_pb2.DrainResponse(num_in_flight=remaining)
 
+    @rpc_handler("SetRole")
     async def SetRole(self, request: engine_pb2.SetRoleRequest,
                       context: grpc.aio.ServicerContext) -> engine_pb2.SetRoleResponse:
-        role = ROLE_NAMES.get(request.role)
-        if role is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "role must be ROLE_PREFILL or ROLE_DECODE")
+        role = Role.from_proto(request.role)
+        if role not in (Role.PREFILL, Role.DECODE):
+            raise BadRequest("role must be ROLE_PREFILL or ROLE_DECODE")
         with server_span("Engine.SetRole", context, role=str(role)):
-            try:
-                await self.instance.set_role(str(role))
-            except Rejected as exc:
-                await context.abort(exc.code, str(exc))
-        return engine_pb2.SetRoleResponse(role=ROLES[self.instance.role])
+            await self.instance.set_role(role)
+        return engine_pb2.SetRoleResponse(role=self.instance.role.proto)
 
+    @rpc_handler("Abort")
     async def Abort(self, request: engine_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
         if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "request_id must not be empty")
+            raise BadRequest("request_id must not be empty")
         with server_span("Engine.Abort", context, request_id=request.request_id):
             found = await self.instance.aengine.abort(request.request_id)
         return engine_pb2.AbortResponse(found=found)
-

@@ -28,11 +28,12 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from pdserve.bench.configs import BenchConfig, Comparison, ConfigError, StackConfig, load_config
-from pdserve.bench.report import ComparisonResult, SideResult, write_report
-from pdserve.bench.runner import RunResult, Target, run_load_async, write_json
-from pdserve.bench.stack import StackError, StackProcess
-from pdserve.bench.workload import PromptMaker
+from pdserve.env import PROFILE_DIR_VAR
+from pdserve_bench.configs import BenchConfig, Comparison, ConfigError, StackConfig, load_config
+from pdserve_bench.report import ComparisonResult, SideResult, write_report
+from pdserve_bench.runner import RunResult, Target, run_load_async, write_json
+from pdserve_bench.stack import StackError, StackProcess
+from pdserve_bench.workload import PromptMaker
 
 DEFAULT_CONFIG = Path("bench/configs/default.toml")
 
@@ -139,7 +140,7 @@ def run_side(cfg: BenchConfig, cmp: Comparison, stack: StackConfig, out_dir: Pat
     prof_dir = out_dir / "profiles" / tag
     if profile:
         prof_dir.mkdir(parents=True, exist_ok=True)
-        env["PDSERVE_PROFILE_DIR"] = str(prof_dir.resolve())
+        env[PROFILE_DIR_VAR] = str(prof_dir.resolve())
     argv = [*cfg.run.launcher_argv(), *stack.args, *cfg.run.stack_args]
     print(f"== {cmp.name}: starting {stack.name}: {shlex.join(argv)}", file=sys.stderr, flush=True)
     spy = None
@@ -166,7 +167,7 @@ def run_side(cfg: BenchConfig, cmp: Comparison, stack: StackConfig, out_dir: Pat
 
 def _maker(cfg: BenchConfig) -> PromptMaker:
     if cfg.run.tokenizer_model:
-        from pdserve.bench.serve import token_counter
+        from pdserve_bench.serve import token_counter
 
         return PromptMaker(token_counter(cfg.run.tokenizer_model), cfg.run.tokens_per_word)
     return PromptMaker(None, cfg.run.tokens_per_word)

@@ -1,7 +1,7 @@
 """One engine instance as a service sees it: the engine thread, the kvd bridge, its role, the
 admission limits, drain state and its registry entry.
 
-    create_instance(config) -> Instance     (loads the model, starts nothing)
+    create_instance(config) -> EngineInstance   (loads the model, starts nothing)
     await instance.start(port)              engine thread, kvd registration, registry heartbeat
     with instance.admit(kind): ...          one request in flight (UNAVAILABLE / EXHAUSTED)
     await instance.stop()
@@ -18,45 +18,38 @@ from typing import Any
 import grpc
 import torch
 
+from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine
-from pdserve.serving.async_engine import AsyncEngine
-from pdserve.serving.config import EngineServiceConfig
-from pdserve.serving.convert import Limits
+from pdserve.errors import BadRequest, StatusError
+from pdserve.kvd.bridge import KvBridge
+from pdserve.kvd.client import KvdClient
+from pdserve.roles import Role
+from services.engine.config import EngineServiceConfig
+from services.engine.convert import EngineLimits
 
 log = logging.getLogger(__name__)
 
 
-class Rejected(Exception):
-    """A request this instance will not take now; carries the gRPC status to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class Instance:
+class EngineInstance:
     def __init__(self, config: EngineServiceConfig, engine: Engine) -> None:
         self.config = config
         self.engine = engine
         self.aengine = AsyncEngine(engine, config.stats_window)
-        self.is_flex = config.role == "flex"
-        # A flex instance starts in the role its service is named after.
-        self.role = config.role if not self.is_flex else self._flex_start_role()
+        self.is_flex = config.is_flex
+        self.role = config.initial_role
         self.draining = False
         self.num_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self.bridge: Any = None  # KvBridge when --kvd is set (imported lazily: ucxx)
+        self.bridge: KvBridge | None = None  # when --kvd is set
         self.address = ""
         self._heartbeat: asyncio.Task[None] | None = None
         self._redis: Any = None
         max_prompt = engine.max_model_len - 1
         if config.max_prompt_tokens:
             max_prompt = min(max_prompt, config.max_prompt_tokens)
-        self.limits = Limits(max_prompt, engine.config.vocab_size, config.default_max_tokens)
-
-    def _flex_start_role(self) -> str:
-        return "decode" if type(self.config).__name__.startswith("Decode") else "prefill"
+        self.limits = EngineLimits(max_prompt, engine.config.vocab_size,
+                                   config.default_max_tokens)
 
     @property
     def instance_id(self) -> str:
@@ -72,9 +65,6 @@ class Instance:
         self.address = self.config.advertise or f"{self.config.host}:{port}"
         self.aengine.start()
         if self.config.kvd:
-            from pdserve.kvd.client import KvdClient
-            from pdserve.serving.kv_bridge import KvBridge
-
             client = KvdClient(self.config.kvd, f"engine-{self.instance_id}",
                                secret=self.config.kvd_secret)
             self.bridge = KvBridge(self.aengine, client, self.config.kvd)
@@ -101,7 +91,7 @@ class Instance:
         if self._redis is None:
             self._redis = aioredis.Redis.from_url(self.config.redis_url)
         record = InstanceRecord(
-            instance_id=self.instance_id, role="flex" if self.is_flex else self.role,
+            instance_id=self.instance_id, role=Role.FLEX if self.is_flex else self.role,
             address=self.address,
             kvd_node_id=self.bridge.node_id if self.bridge is not None else "",
             kvd_address=self.config.kvd, model=self.config.model, block_size=self.block_size)
@@ -112,19 +102,19 @@ class Instance:
     # -- admission ------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def admit(self, *roles: str) -> Iterator[None]:
-        """Count one request in flight, or raise Rejected (wrong role, draining, full)."""
+    def admit(self, *roles: Role) -> Iterator[None]:
+        """Count one request in flight, or raise StatusError (wrong role, draining, full)."""
         if self.role not in roles:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"this instance runs role {self.role}; it serves this call only in "
-                           f"role {' or '.join(roles)}")
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"this instance runs role {self.role}; it serves this call only "
+                              f"in role {' or '.join(roles)}")
         if self.draining:
-            raise Rejected(grpc.StatusCode.UNAVAILABLE, "instance is draining: try another")
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "instance is draining: try another")
         limit = self.config.max_num_seqs + self.config.max_queued
         if self.num_in_flight >= limit:
-            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"{self.num_in_flight} requests in flight (the limit is "
-                           f"--max-num-seqs + --max-queued = {limit}): try another instance")
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{self.num_in_flight} requests in flight (the limit is "
+                              f"--max-num-seqs + --max-queued = {limit}): try another instance")
         self.num_in_flight += 1
         self._idle.clear()
         try:
@@ -140,16 +130,15 @@ class Instance:
             await self._idle.wait()
         return self.num_in_flight
 
-    async def set_role(self, role: str) -> None:
+    async def set_role(self, role: Role) -> None:
         """Flex only: drain, switch, accept work again, re-announce in the registry."""
         if not self.is_flex:
-            raise Rejected(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"role: only a flex instance (--role flex) may switch; this one runs "
-                           f"{self.role}")
-        if role not in ("prefill", "decode"):
-            raise Rejected(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"role: a flex instance switches between prefill and decode, "
-                           f"got {role}")
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"role: only a flex instance (--role flex) may switch; this one "
+                              f"runs {self.role}")
+        if role not in (Role.PREFILL, Role.DECODE):
+            raise BadRequest(f"role: a flex instance switches between prefill and decode, "
+                             f"got {role}")
         if role == self.role:
             return
         await self.drain(wait=True)
@@ -158,8 +147,14 @@ class Instance:
         log.info("role switched", extra={"fields": {"role": role}})
 
 
-def create_instance(config: EngineServiceConfig) -> Instance:
+def kvd_timeout(context: grpc.aio.ServicerContext, default: float) -> float:
+    """How long a kvd wait may take: ``default``, or less when the rpc's deadline is sooner."""
+    remaining = context.time_remaining()
+    return default if remaining is None else max(0.001, min(default, remaining))
+
+
+def create_instance(config: EngineServiceConfig) -> EngineInstance:
     """Load the model and build the engine (slow: done once, before the server starts)."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    return Instance(config, Engine.from_model(config.model, config.engine_args()))
+    return EngineInstance(config, Engine.from_model(config.model, config.engine_args()))

@@ -27,16 +27,17 @@ from typing import Any
 
 import grpc
 
+from pdserve.env import LOG_LEVEL_VAR
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"listening on ([\w.\[\]:-]+):(\d+)")
 
 
 def _spawn(argv: list[str], log: Path, timeout: float = 60.0) -> tuple[subprocess.Popen[str], str]:
     """Start a child; return it and its ready line (stdout), or raise with its log tail."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'libs'}",
-           "PDSERVE_LOG_LEVEL": "warning"}
+           LOG_LEVEL_VAR: "warning"}
     with log.open("w") as err:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=err, text=True)
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, logs: Path,
          children: list[subprocess.Popen[str]]) -> dict[str, Any]:
     py = sys.executable
-    proc, line = _spawn([py, "-m", "pdserve.bench.router_servers", "engines", str(args.tokens)],
+    proc, line = _spawn([py, "-m", "pdserve_bench.router_servers", "engines", str(args.tokens)],
                         logs / "engines.log")
     children.append(proc)
     engines = tuple(line.split("listening on ")[1].split())
@@ -216,7 +217,7 @@ def _run(args: argparse.Namespace, logs: Path,
         children.append(_start_redis(logs / "redis.sock", logs / "redis.log"))
         router_argv += ["--redis-url", f"unix://{logs / 'redis.sock'}"]
         redis_note = "private redis-server (unix socket)"
-    proc, line = _spawn([py, "-m", "pdserve.bench.router_servers", "relay", *engines],
+    proc, line = _spawn([py, "-m", "pdserve_bench.router_servers", "relay", *engines],
                         logs / "relay.log")
     children.append(proc)
     relay = line.split("listening on ")[1].strip()

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench.configs import Comparison, RunConfig
-from pdserve.bench.plots import cdf_plot, latency_vs_rate
-from pdserve.bench.runner import RunResult, write_json
+from pdserve_bench.configs import Comparison, RunConfig
+from pdserve_bench.plots import cdf_plot, latency_vs_rate
+from pdserve_bench.runner import RunResult, write_json
 
 TABLE_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "itl_p99_ms",
               "throughput_rps", "goodput_rps", "errors", "prefix_hit_rate")

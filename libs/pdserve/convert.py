@@ -1,0 +1,55 @@
+"""Proto <-> dataclass conversions the router and the engines share.
+
+``sampling_from_proto`` is the one reading of ``common.SamplingParams``: the router checks a
+request with it (so a request it admits is one every engine accepts) and the engines build
+their ``SamplingParams`` with it. Errors are ``BadRequest`` naming the proto field.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.request import Logprob
+from pdserve.errors import BadRequest
+from pdserve.proto.v1 import common_pb2
+from pdserve.sampling_params import SamplingParams
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(sp: common_pb2.SamplingParams, default_max_tokens: int,
+                        vocab_size: int | None = None) -> SamplingParams:
+    """``max_tokens`` 0 takes ``default_max_tokens``; unset optional fields take the
+    engine's defaults; ``top_k`` 0 means off, as -1. With ``vocab_size``, stop token ids
+    are checked against it."""
+    if vocab_size is not None:
+        bad_stop = [t for t in sp.stop_token_ids if t >= vocab_size]
+        if bad_stop:
+            raise BadRequest(f"sampling.stop_token_ids must be < vocab_size {vocab_size}, "
+                             f"got {bad_stop[:5]}")
+    top_k = sp.top_k if sp.HasField("top_k") else -1
+    try:
+        return SamplingParams(
+            max_tokens=sp.max_tokens or default_max_tokens,
+            temperature=sp.temperature if sp.HasField("temperature") else 1.0,
+            top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+            top_k=-1 if top_k == 0 else top_k,
+            min_p=sp.min_p if sp.HasField("min_p") else 0.0,
+            seed=sp.seed if sp.HasField("seed") else None,
+            stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+            logprobs=sp.logprobs if sp.HasField("logprobs") else None)
+    except BadRequest as exc:
+        raise BadRequest(f"sampling.{exc.message}") from exc
+
+
+def logprobs_to_proto(token_id: int, lp: Logprob) -> common_pb2.PositionLogprobs:
+    return common_pb2.PositionLogprobs(
+        sampled=common_pb2.TokenLogprob(token_id=token_id, logprob=lp.logprob),
+        top=[common_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def finish_to_proto(reason: str | None) -> common_pb2.FinishReason:
+    return FINISH_REASONS.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
