@@ -16,8 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `services` is importable from the repo root
 
 
-
-
 class RedisServer:
     """A private ``redis-server`` on a free loopback port, with nothing kept on disk."""
 
