@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,14 +26,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.engine.async_engine import RequestStream
-from pdserve.engine.request import Logprob
-from pdserve.engine.text import TextStream
+from pdserve.engine.request import Logprob, RequestOutput
 from pdserve.errors import BadRequest, StatusError
 from pdserve.proto.v1 import common_pb2
 from pdserve.roles import Role
 from pdserve.sampling_params import SamplingParams
 from services.engine import metrics
 from services.engine.instance import EngineInstance
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,13 @@ async def run_decode(inst: EngineInstance, job: DecodeJob, timeout: float) -> As
             return
         prompt = [*job.prompt, job.first_token_id]
         params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - 1)
-    stream = await inst.aengine.add_request(job.request_id, prompt, params, job.priority,
-                                            job.cache_salt)
+    # With a kvd, the finished request's pages stay until its full blocks (prompt and
+    # answer) are in the kvd, where the next turn's prefill finds them.
+    stream = await inst.aengine.add_request(
+        job.request_id, prompt, params, job.priority, job.cache_salt,
+        hold=inst.bridge is not None, prior_output=0 if job.first_token_id is None else 1)
     try:
-        async for chunk in _follow(inst, job, stream, prompt, params):
+        async for chunk in _follow(inst, job, stream, params):
             yield chunk
     finally:
         if not stream.finished:  # cancelled, deadline, or the client went away
@@ -98,15 +103,14 @@ async def _receive_blocks(inst: EngineInstance, job: DecodeJob, timeout: float) 
     metrics.BLOCKS.labels("imported").inc(len(job.blocks))
 
 
-async def _follow(inst: EngineInstance, job: DecodeJob, stream: RequestStream, prompt: list[int],
+async def _follow(inst: EngineInstance, job: DecodeJob, stream: RequestStream,
                   params: SamplingParams) -> AsyncIterator[Chunk]:
-    text = TextStream(inst.engine.tokenizer, prompt, params.stop)
     num_done = 0 if job.first_token_id is None else 1
     last = time.monotonic()
     async for out in stream:
-        chunk = Chunk(list(out.new_token_ids))
-        if not out.finished:
-            chunk.text = text.add(out.new_token_ids)
+        chunk = Chunk(list(out.new_token_ids), text=out.text)
+        if out.block_hashes is not None:  # held: hand its blocks to the kvd, off this stream
+            inst.spawn(_keep_blocks(inst, job, out))
         if params.logprobs is not None and out.logprobs:
             chunk.logprobs = list(zip(out.new_token_ids, out.logprobs, strict=True))
         num_done += len(out.new_token_ids)
@@ -114,7 +118,6 @@ async def _follow(inst: EngineInstance, job: DecodeJob, stream: RequestStream, p
         metrics.TOKEN_GAP_SECONDS.observe(now - last)
         last = now
         if out.finished:
-            chunk.text = text.finish(out.new_token_ids, out.stop_text)
             chunk.finish_reason = out.finish_reason
             chunk.completion_tokens = num_done
             # Disaggregated: imported blocks are not this request's cache hits; the router
@@ -124,3 +127,21 @@ async def _follow(inst: EngineInstance, job: DecodeJob, stream: RequestStream, p
             metrics.TOKENS.labels("generated").inc(num_done)
         if chunk.token_ids or chunk.finish_reason:
             yield chunk
+
+
+async def _keep_blocks(inst: EngineInstance, job: DecodeJob, out: RequestOutput) -> None:
+    """Commit a finished request's full blocks the kvd lacks (its answer's, mostly: the
+    prompt's came from there), so they are indexed like prefill blocks; then free the
+    pages. A failure costs only a later cache miss."""
+    assert inst.bridge is not None and out.block_hashes is not None and out.page_ids is not None
+    have = {ref.hash for ref in job.blocks}
+    todo = [(h, p) for h, p in zip(out.block_hashes, out.page_ids, strict=True) if h not in have]
+    try:
+        if todo:
+            await inst.bridge.export(todo, None)
+            metrics.BLOCKS.labels("exported").inc(len(todo))
+    except StatusError as exc:
+        log.warning("answer blocks not kept in the kvd",
+                    extra={"fields": {"request_id": job.request_id, "error": exc.message}})
+    finally:
+        await inst.aengine.release(job.request_id)

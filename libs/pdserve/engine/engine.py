@@ -19,6 +19,7 @@ import torch
 
 from pdserve.attention import get_backend
 from pdserve.engine.config import EngineArgs
+from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.kv_cache import KVCacheManager, PagedKVCache
 from pdserve.engine.request import EngineStats, Request, RequestOutput, RequestStatus
 from pdserve.engine.runner import ModelRunner
@@ -70,22 +71,37 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str = "", prefill_only: bool = False) -> None:
-        """Queue a request; raises BadRequest (a ValueError) naming the bad field."""
+                    priority: int = 0, cache_salt: str = "", prefill_only: bool = False,
+                    hold: bool = False, prior_output: int = 0) -> None:
+        """Queue a request; raises BadRequest (a ValueError) naming the bad field.
+
+        prefill_only: finish after the first token and keep the pages (a decode engine goes
+        on). hold: keep the pages once finished, until ``release``. prior_output: the last
+        that many prompt tokens are this request's own output so far (made by a prefill
+        engine): its text continues after theirs, and a stop string may begin in them."""
         self._validate(request_id, prompt_token_ids, params)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise BadRequest(f"priority must be an int, got {priority!r}")
         if not isinstance(cache_salt, str):
             raise BadRequest(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        if not 0 <= prior_output < len(prompt_token_ids):
+            raise BadRequest(f"prior_output must be in 0..{len(prompt_token_ids) - 1}, "
+                             f"got {prior_output}")
         max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(self.device).manual_seed(params.seed)
+        detok = None
+        if self.tokenizer is not None:
+            replay = prompt_token_ids[len(prompt_token_ids) - prior_output:]
+            detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                replay=replay)
         req = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
             arrival=next(self._arrivals), max_len=max_len,
             eos_token_ids=self.eos_token_ids, priority=priority,
-            cache_salt=cache_salt, prefill_only=prefill_only, generator=gen)
+            cache_salt=cache_salt, prefill_only=prefill_only, hold=hold or prefill_only,
+            generator=gen, detok=detok)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -126,10 +142,10 @@ class Engine:
         return True
 
     def release(self, request_id: str) -> None:
-        """Free the pages a finished prefill_only request still holds."""
+        """Free the pages a finished held (prefill_only or ``hold``) request still has."""
         req = self.requests.get(request_id)
         if req is None or req.status != RequestStatus.HELD:
-            raise ValueError(f"request_id {request_id!r} is not a held prefill_only request")
+            raise ValueError(f"request_id {request_id!r} is not a finished held request")
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         del self.requests[request_id]
@@ -164,16 +180,23 @@ class Engine:
                 req.token_ids.append(token)
                 out.new_token_ids = [token]
                 out.logprobs = None if logprob is None else [logprob]
-                reason = "stop" if req.prefill_only else check_stop(req, self.tokenizer)
-                if reason is not None:
+                if req.detok is not None:
+                    req.detok.append(token)
+                reason = check_stop(req)
+                if reason is not None or req.prefill_only:
                     self._finish(req, reason, out)
+                elif req.detok is not None:
+                    out.text = req.detok.take()
             if out.new_token_ids or out.new_full_blocks or out.finished:
                 outputs.append(out)
         return outputs
 
-    def _finish(self, req: Request, reason: str, out: RequestOutput) -> None:
-        self.scheduler.finish(req, reason)
-        out.finished, out.finish_reason, out.stop_text = True, reason, req.stop_text
+    def _finish(self, req: Request, reason: str | None, out: RequestOutput) -> None:
+        """``reason`` None: a prefill_only request whose first token does not end it."""
+        self.scheduler.finish(req, reason or "stop")
+        out.finished, out.finish_reason = True, reason
+        if req.detok is not None:
+            out.text = req.detok.take() if reason is None else req.detok.finish()
         if req.status == RequestStatus.HELD:
             num_full = req.num_computed_tokens // self.kv.block_size
             out.block_hashes = req.block_hashes[:num_full]
