@@ -50,7 +50,7 @@ def _job_from_proto(request: engine_pb2.DecodeRequest, rid: str,
                          "which also returns the first token)")
     salt = request.meta.cache_salt
     blocks = check_block_refs(request.blocks, prompt, inst.block_size,
-                              inst.engine.config.fingerprint, salt)
+                              inst.engine.fingerprint, salt)
     source = request.source if request.HasField("source") and request.source.address else None
     return DecodeJob(rid, prompt, params, first, blocks, source, request.meta.priority, salt)
 

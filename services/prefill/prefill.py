@@ -66,7 +66,7 @@ class _Commits:
 
 async def run_prefill(inst: EngineInstance, job: PrefillJob, kvd_timeout: float) -> PrefillResult:
     bs = inst.block_size
-    hashes = hash_blocks(job.prompt, bs, inst.engine.config.fingerprint, job.cache_salt)
+    hashes = hash_blocks(job.prompt, bs, inst.engine.fingerprint, job.cache_salt)
     commits = _Commits()
     if inst.bridge is not None:
         # The engine never takes the block holding the last prompt token from cache: its

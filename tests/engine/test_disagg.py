@@ -39,7 +39,7 @@ def test_prefill_export_import_decode_equals_single_engine() -> None:
     for p, (final, streamed) in zip(prompts, results, strict=True):
         assert final.finished and final.finish_reason is None and len(final.new_token_ids) == 1
         assert final.block_hashes is not None and final.page_ids is not None
-        assert final.block_hashes == hash_blocks(p, 16, a.config.fingerprint)
+        assert final.block_hashes == hash_blocks(p, 16, a.fingerprint)
         assert list(zip(final.block_hashes, final.page_ids, strict=True)) == streamed
         # The wire buffer may be any memory, e.g. a view of a shared-memory segment.
         n = len(final.page_ids)

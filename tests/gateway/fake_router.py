@@ -131,10 +131,12 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
                ) -> router_pb2.GenerateResponse:
         msg = router_pb2.GenerateResponse(token_ids=[TOKEN_BASE + i], text=word)
         if req.sampling.HasField("logprobs"):
-            top = [common_pb2.TokenLogprob(token_id=TOKEN_BASE + i, logprob=-0.25)]
-            top += [common_pb2.TokenLogprob(token_id=1000 + k, logprob=-2.0 - k)
+            sampled = common_pb2.TokenLogprob(token_id=TOKEN_BASE + i, logprob=-0.25,
+                                              token=word, token_bytes=word.encode())
+            top = [sampled]
+            top += [common_pb2.TokenLogprob(token_id=1000 + k, logprob=-2.0 - k,
+                                            token=f"alt{k}", token_bytes=f"alt{k}".encode())
                     for k in range(req.sampling.logprobs - 1)]
-            msg.logprobs.append(common_pb2.PositionLogprobs(
-                sampled=common_pb2.TokenLogprob(token_id=TOKEN_BASE + i, logprob=-0.25),
-                top=top[: req.sampling.logprobs]))
+            msg.logprobs.append(common_pb2.PositionLogprobs(sampled=sampled,
+                                                            top=top[: req.sampling.logprobs]))
         return msg

@@ -27,6 +27,7 @@ from pdserve.engine.sampler import Sampler, SamplerOutput
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.stop import check_stop
 from pdserve.errors import BadRequest
+from pdserve.hashing import kv_fingerprint
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,7 +46,10 @@ class Engine:
         num_blocks = args.num_blocks or max(1, args.kv_cache_memory_bytes // per_block)
         self.cache = PagedKVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads,
                                   cfg.head_dim, cfg.dtype, device)
-        self.kv = KVCacheManager(num_blocks, bs, cfg.fingerprint, args.enable_prefix_caching)
+        self.kv_dtype = str(cfg.dtype).removeprefix("torch.")
+        # What this engine's block hashes cover besides tokens (shared with kvd and router).
+        self.fingerprint = kv_fingerprint(cfg.fingerprint, self.kv_dtype)
+        self.kv = KVCacheManager(num_blocks, bs, self.fingerprint, args.enable_prefix_caching)
         backend = get_backend(args.attention_backend, self.cache.layers, cfg.num_heads)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(lm.model, self.kv, backend, Sampler(args.seed, device), device)

@@ -55,9 +55,6 @@ def _kvd_status(fn: F) -> F:
 
     return wrapper  # type: ignore[return-value]
 
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
 
 class KvBridge:
     def __init__(self, aengine: AsyncEngine, client: KvdClient, address: str) -> None:
@@ -72,7 +69,8 @@ class KvBridge:
         layout = BlockLayout(num_layers=cfg.num_layers,
                              block_size=self.aengine.engine.kv.block_size,
                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                             dtype=DTYPE_NAMES[cfg.dtype], model_fingerprint=cfg.fingerprint)
+                             dtype=self.aengine.engine.kv_dtype,
+                             model_fingerprint=self.aengine.engine.fingerprint)
         info = await self.client.register(layout)
         self.node_id = info.node_id
 
@@ -109,14 +107,23 @@ class KvBridge:
 
     @_kvd_status
     async def load_prefix(self, hashes: Sequence[bytes], timeout: float) -> list[Exported]:
-        """Import the leading run of ``hashes`` the local kvd holds; returns those blocks
-        with the checksums of their bytes."""
+        """Import the leading run of ``hashes`` the cluster holds: the local kvd's, or a
+        longer one another node has (per the index; the local kvd pulls it, e.g. a previous
+        turn's answer kept by a decode node). Returns those blocks with the checksums of
+        their bytes. A pull that fails costs a cache miss: the local run is loaded instead."""
         if not hashes:
             return []
-        num_present = await self.client.lookup(list(hashes))
-        if num_present == 0:
-            return []
-        loaded = list(hashes[:num_present])
+        here, available = await self.client.lookup_cluster(list(hashes))
+        if available > here:
+            try:
+                return await self._load(hashes[:available], timeout)
+            except grpc.aio.AioRpcError as exc:
+                log.info("prefix blocks of another node not pulled; using the local ones",
+                         extra={"fields": {"error": exc.details(), "num_blocks": available}})
+        return await self._load(hashes[:here], timeout) if here else []
+
+    async def _load(self, hashes: Sequence[bytes], timeout: float) -> list[Exported]:
+        loaded = list(hashes)
         refs = [common_pb2.BlockRef(hash=h) for h in loaded]
         pins = await self.client.await_blocks(refs, None, timeout)
         sums = await self._import(loaded, pins, with_checksums=True)
