@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -44,7 +44,6 @@ class EngineInstance:
         self.bridge: KvBridge | None = None  # when --kvd is set
         self.address = ""
         self._heartbeat: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[None]] = set()
         self._redis: Any = None
         max_prompt = engine.max_model_len - 1
         if config.max_prompt_tokens:
@@ -73,16 +72,7 @@ class EngineInstance:
         if self.config.redis_url:
             await self._start_heartbeat()
 
-    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        """Run ``work`` beside the rpc that started it (it outlives a cancelled call); stop()
-        waits for it."""
-        task = asyncio.create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def stop(self) -> None:
-        if self._background:
-            await asyncio.wait(self._background, timeout=10.0)
         if self._heartbeat is not None:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):

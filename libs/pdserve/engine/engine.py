@@ -210,6 +210,13 @@ class Engine:
 
     # -- KV block transfer ----------------------------------------------------------------
 
+    def page_of(self, block_hash: bytes, page_id: int) -> int | None:
+        """The page holding ``block_hash`` now: a page reported earlier may have been freed
+        (preemption) and reused since; then another page with those tokens' KV, or None."""
+        if not self.args.enable_prefix_caching:
+            return page_id
+        return self.kv.pool.lookup(block_hash)
+
     def export_blocks(self, page_ids: list[int], out: torch.Tensor) -> None:
         """Copy pages into ``out`` [n, layers, 2, block_size, kv_heads, head_dim]."""
         bad = [p for p in page_ids if not 0 <= p < self.kv.pool.num_blocks]

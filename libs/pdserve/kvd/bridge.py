@@ -84,26 +84,39 @@ class KvBridge:
     async def export(self, blocks: Sequence[tuple[bytes, int]],
                      destination: common_pb2.KvdEndpoint | None) -> list[Exported]:
         """Copy engine pages (hash, page id) into fresh kvd slots and commit them, pushing
-        them to ``destination`` at once when given."""
+        them to ``destination`` at once when given. A block whose page no longer holds it
+        when the copy runs (freed and reused since) is left out: the kvd never gets bytes
+        that are not the hash's."""
         if not blocks:
             return []
         pins = await self.client.allocate(len(blocks))
+        released: set[int] = set()
         try:
             views = [self.client.slot_view(p.slot) for p in pins]
 
-            def copy_out(engine: Engine) -> None:
-                for (_, page), view in zip(blocks, views, strict=True):
-                    engine.export_blocks([page], view.unsqueeze(0))
+            def copy_out(engine: Engine) -> list[int]:
+                copied = []
+                for i, ((h, page), view) in enumerate(zip(blocks, views, strict=True)):
+                    current = engine.page_of(h, page)
+                    if current is not None:
+                        engine.export_blocks([current], view.unsqueeze(0))
+                        copied.append(i)
+                return copied
 
-            await self.aengine.call(copy_out)
-            sums = [block_checksum(self.client.slot_memory(p.slot)) for p in pins]
-            entries = [CommitEntry(p, h, c) for p, (h, _), c in zip(pins, blocks, sums,
-                                                                      strict=True)]
-            await self.client.commit(entries, destination, release=True)
+            copied = await self.aengine.call(copy_out)
+            entries = [CommitEntry(pins[i], blocks[i][0],
+                                   block_checksum(self.client.slot_memory(pins[i].slot)))
+                       for i in copied]
+            unused = [p.pin_id for i, p in enumerate(pins) if i not in set(copied)]
+            if unused:
+                released.update(unused)
+                await self._release_quietly(unused)
+            if entries:
+                await self.client.commit(entries, destination, release=True)
         except BaseException:
-            await self._release_quietly([p.pin_id for p in pins])
+            await self._release_quietly([p.pin_id for p in pins if p.pin_id not in released])
             raise
-        return [Exported(h, c) for (h, _), c in zip(blocks, sums, strict=True)]
+        return [Exported(e.hash, e.checksum or 0) for e in entries]
 
     @_kvd_status
     async def load_prefix(self, hashes: Sequence[bytes], timeout: float) -> list[Exported]:
