@@ -65,6 +65,14 @@ def _idle(engine: engine_pb2_grpc.EngineStub, blocks_used: int) -> engine_pb2.En
                       and s.kv_blocks_used <= blocks_used and s, timeout=10)
 
 
+def _stopped_early(engine: engine_pb2_grpc.EngineStub, before: engine_pb2.EngineStats) -> None:
+    """The request left the engine long before its LONG tokens, and nothing decodes since."""
+    after = _idle(engine, before.kv_blocks_used)
+    time.sleep(0.5)
+    assert _stats(engine).decode_tokens == after.decode_tokens
+    assert after.decode_tokens - before.decode_tokens < LONG // 2
+
+
 def test_streams_the_same_text_as_the_openai_gateway(client: Client,
                                                      gateway: openai.OpenAI) -> None:
     stream = client.generate(PROMPT, max_tokens=MAX_TOKENS, temperature=0)
@@ -117,14 +125,11 @@ def test_closing_the_stream_frees_the_engine_slot(client: Client,
     running = _stats(engine)
     assert running.num_running == 1 and running.kv_blocks_used > before.kv_blocks_used
     stream.close()
-    after = _idle(engine, before.kv_blocks_used)
-    time.sleep(0.5)
-    assert _stats(engine).decode_tokens == after.decode_tokens  # nothing decodes any more
-    assert after.decode_tokens - before.decode_tokens < LONG // 2
+    _stopped_early(engine, before)
 
 
-def test_dropping_an_async_stream_early_frees_the_slot(stack: UpStack,
-                                                       engine: engine_pb2_grpc.EngineStub) -> None:
+def test_leaving_an_async_stream_early_frees_the_slot(stack: UpStack,
+                                                      engine: engine_pb2_grpc.EngineStub) -> None:
     before = _idle(engine, 10**9)
 
     async def run() -> None:
@@ -136,9 +141,10 @@ def test_dropping_an_async_stream_early_frees_the_slot(stack: UpStack,
                     if num_chunks == 3:  # the first comes from prefill, the rest from decode
                         assert _stats(engine).num_running == 1
                         break
+            # The client (and its channel) stays open: the stream's own exit cancelled it.
+            await asyncio.to_thread(_stopped_early, engine, before)
 
     asyncio.run(run())
-    _idle(engine, before.kv_blocks_used)
 
 
 def test_deadline_is_deadline_exceeded_and_frees_the_slot(
@@ -150,7 +156,7 @@ def test_deadline_is_deadline_exceeded_and_frees_the_slot(
     assert time.monotonic() - start < 5
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert isinstance(err.value, grpc.RpcError) and "Deadline Exceeded" in err.value.details()
-    _idle(engine, before.kv_blocks_used)
+    _stopped_early(engine, before)
 
 
 def test_invalid_field_is_a_bad_request_violation_naming_it(client: Client,
