@@ -101,7 +101,7 @@ def test_completion_bodies_become_the_clients_requests(body: dict[str, Any]) -> 
 
 
 def test_chat_bodies_become_the_clients_requests() -> None:
-    messages = [{"role": "system", "content": "Be terse."},
+    messages = [{"role": "developer", "content": "Be terse."},
                 {"role": "user", "content": [{"type": "text", "text": "Hi "},
                                              {"type": "text", "text": "there"}]}]
     body = {"model": "tiny", "messages": messages, "max_completion_tokens": 9,

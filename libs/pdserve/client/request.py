@@ -95,4 +95,7 @@ def _chat_message(i: int, message: Message) -> router_pb2.ChatMessage:
         except (KeyError, TypeError):
             raise TypeError(f"messages[{i}].content: must be text or a list of "
                             f"{{'type': 'text', 'text': ...}} parts") from None
-    return router_pb2.ChatMessage(role=str(message["role"]), content=content)
+    role = str(message["role"])
+    # "developer" is OpenAI's newer name for the system role (the gateway maps it too).
+    return router_pb2.ChatMessage(role="system" if role == "developer" else role,
+                                  content=content)
