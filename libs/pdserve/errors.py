@@ -86,8 +86,8 @@ class StatusError(Exception):
         """``error`` from a peer, passed on with its code and details, ``where`` prefixed."""
         call: Any = error
         details = details_of(call)
-        return cls(call.code(), f"{where}: {call.details()}", details.retry_after,
-                   details.violations)
+        return cls(call.code(), f"{where}: {call.details() or call.code().name}",
+                   details.retry_after, details.violations)
 
     def to_status(self) -> grpc.Status:
         """The status to answer with: code, message, and the details in trailing metadata."""
