@@ -97,6 +97,19 @@ def test_streams_the_same_text_as_the_openai_gateway(client: Client,
     assert stream.completion.placement.prompt_tokens == usage.prompt_tokens
 
 
+def test_logprobs_match_the_gateways(client: Client, gateway: openai.OpenAI) -> None:
+    done = client.generate(PROMPT, max_tokens=4, temperature=0, logprobs=2).collect()
+    rest = gateway.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                      logprobs=2)
+    expected = rest.choices[0].logprobs
+    assert expected is not None and expected.token_logprobs is not None
+    assert [p.sampled.token_id for p in done.logprobs] == done.token_ids
+    assert all(len(p.top) == 2 for p in done.logprobs)
+    assert [p.sampled.token for p in done.logprobs] == expected.tokens
+    assert [p.sampled.logprob for p in done.logprobs] == pytest.approx(
+        expected.token_logprobs, abs=1e-4)
+
+
 def test_chat_and_asyncio_client_match_the_gateway(stack: UpStack, client: Client,
                                                    gateway: openai.OpenAI) -> None:
     rest = gateway.chat.completions.create(model="tiny", messages=CHAT,  # type: ignore[arg-type]

@@ -35,6 +35,8 @@ class Placement:
 class TokenLogprob:
     token_id: int
     logprob: float
+    token: str = ""  # the token's own text (U+FFFD for an incomplete UTF-8 fragment)
+    token_bytes: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,11 @@ class Completion:
 
 
 def _logprobs(lp: common_pb2.PositionLogprobs) -> PositionLogprobs:
-    return PositionLogprobs(TokenLogprob(lp.sampled.token_id, lp.sampled.logprob),
-                            tuple(TokenLogprob(t.token_id, t.logprob) for t in lp.top))
+    return PositionLogprobs(_token(lp.sampled), tuple(_token(t) for t in lp.top))
+
+
+def _token(t: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(t.token_id, t.logprob, t.token, t.token_bytes)
 
 
 def models_from(reply: router_pb2.ListModelsResponse) -> list[Model]:
