@@ -29,6 +29,7 @@ from pdserve import env
 from pdserve.roles import Role
 from services.router.config import RouterConfig
 from services.router.policy import POLICIES
+from services.stack_secrets import StackSecrets
 
 ROOT = Path(__file__).resolve().parents[1]
 READY = re.compile(r"pdserve (\w+) listening on (\S+):(\d+)")
@@ -40,12 +41,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def start_redis(exe: str, host: str, port: int) -> subprocess.Popen[bytes]:
+def start_redis(exe: str, host: str, port: int, password: str = "") -> subprocess.Popen[bytes]:
     """A private ``redis-server`` on ``host:port`` keeping nothing on disk, once it accepts
-    connections (RuntimeError if it does not within 10 s)."""
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", host, "--save", "",
-                             "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    connections (RuntimeError if it does not within 10 s). Its configuration, the password
+    included, goes in on stdin: a command line is visible to every user."""
+    config = f'port {port}\nbind {host}\nsave ""\nappendonly no\n'
+    if password:
+        config += f"requirepass {password}\n"
+    proc = subprocess.Popen([exe, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdin is not None
+    proc.stdin.write(config.encode())
+    proc.stdin.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -78,6 +85,7 @@ class Proc:
     args: list[str]
     port: int
     cpus: set[int] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # its own: only its role's credentials
     popen: subprocess.Popen[str] | None = None
     restarts: int = 0
     log_tail: list[str] = field(default_factory=list)
@@ -178,6 +186,7 @@ class Stack:
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}",
                     "PYTHONUNBUFFERED": "1", "UCXPY_PROGRESS_MODE": "blocking"}
         self.redis_url = os.environ.get(env.REDIS_URL_VAR, "")
+        self.secrets = StackSecrets(os.environ)
         self.redis: subprocess.Popen[bytes] | None = None
         self.stopping = threading.Event()
 
@@ -190,19 +199,20 @@ class Stack:
                   "prefix index (install redis-server for cache-aware routing)", file=sys.stderr)
             return
         port = free_port(self.ns.host)
-        self.redis = start_redis(exe, self.ns.host, port)
-        self.redis_url = f"redis://{self.ns.host}:{port}/0"
+        self.redis = start_redis(exe, self.ns.host, port, self.secrets.redis_password)
+        self.redis_url = self.secrets.private_redis_url(self.ns.host, port)
 
     def _add(self, name: str, module: str, flags: list[str], cpus: set[int] | None = None,
              port: int | None = None) -> Proc:
         port = free_port(self.ns.host) if port is None else port
         args = [*_module(module), "--host", self.ns.host, "--port", str(port), *flags]
-        proc = Proc(name, args, port, cpus)
+        proc = Proc(name, args, port, cpus, self.secrets.env_for(module, self.env))
         self.procs.append(proc)
         return proc
 
     def plan(self) -> None:
-        ns, redis = self.ns, ["--redis-url", self.redis_url] if self.redis_url else []
+        ns = self.ns
+        self.secrets.set_redis_url(self.redis_url)  # in the environment of who uses it
         prefill_cpus, decode_cpus = parse_cpus(ns.prefill_cpus), parse_cpus(ns.decode_cpus)
         engines: dict[Role, list[str]] = {Role.PREFILL: [], Role.DECODE: []}
         roles = [(Role.PREFILL, ns.prefill, prefill_cpus),
@@ -214,17 +224,17 @@ class Stack:
                 kvd_flags: list[str] = []
                 if not ns.colocated:
                     kvd = self._add(f"kvd-{role[0]}{i}", "kvd",
-                                    [*redis, "--node-id", f"node-{role[0]}{i}",
+                                    ["--node-id", f"node-{role[0]}{i}",
                                      "--capacity-mib", str(ns.kvd_capacity_mib)])
                     kvd_flags = ["--kvd", f"{ns.host}:{kvd.port}"]
                 engine_role = Role.COLOCATED if ns.colocated else role
                 eng = self._add(f"{role}-{i}", role,
                                 ["--model", ns.model, "--role", engine_role,
-                                 "--instance-id", f"{role[0]}{i}", *kvd_flags, *redis, *threads,
+                                 "--instance-id", f"{role[0]}{i}", *kvd_flags, *threads,
                                  *ns.engine_arg], cpu)
                 engines[role].append(f"{ns.host}:{eng.port}")
         router = self._add("router", "router",
-                           [*redis, "--model", ns.model, "--policy", ns.policy,
+                           ["--model", ns.model, "--policy", ns.policy,
                             "--prefill", ",".join(engines[Role.PREFILL]),
                             "--decode", ",".join(engines[Role.DECODE])])
         self.router_address = f"{ns.host}:{router.port}"
@@ -238,7 +248,7 @@ class Stack:
         self._start_redis()
         self.plan()
         for proc in self.procs:
-            proc.start(self.env)
+            proc.start(proc.env)
             proc.wait_ready(self.ns.ready_timeout)
             print(f"  {proc.name:12s} {self.ns.host}:{proc.port}", flush=True)
 
@@ -257,7 +267,7 @@ class Stack:
                     continue
                 proc.restarts += 1
                 time.sleep(min(5.0, 0.5 * proc.restarts))
-                proc.start(self.env)
+                proc.start(proc.env)
                 try:
                     proc.wait_ready(self.ns.ready_timeout)
                     print(f"pdserve up: {proc.name} restarted on {self.ns.host}:{proc.port}",
@@ -272,6 +282,12 @@ class Stack:
         if self.redis is not None:
             self.redis.terminate()
             self.redis.wait(timeout=10)
+        self.secrets.remove()
+
+
+def _without_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
 
 
 def _banner(stack: Stack) -> None:
@@ -279,13 +295,15 @@ def _banner(stack: Stack) -> None:
     base = f"http://{ns.host}:{stack.gateway.port}/v1"
     auth = "" if ns.keys_file else "(no API keys: loopback only, without auth)"
     print(f"pdserve router: {stack.router_address}")
-    print(f"pdserve redis: {stack.redis_url or 'none'}")
+    print(f"pdserve redis: {_without_password(stack.redis_url) or 'none'}")
+    print(f"pdserve secrets: {stack.secrets.directory}")
     print(f"""
 Try it {auth}:
   curl {base}/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{ns.model}", "prompt": "Hello", "max_tokens": 16}}'
   python -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='none'); \\
 print(c.completions.create(model='{ns.model}', prompt='Hello', max_tokens=16).choices[0].text)"
+  {env.CLIENT_SECRET_VAR}_FILE={stack.secrets.directory / env.CLIENT_SECRET_VAR} \\
   python -c "from pdserve.client import Client; \\
 print(Client('{stack.router_address}').generate('Hello', max_tokens=16).collect().text)"
 """)

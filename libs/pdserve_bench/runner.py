@@ -45,6 +45,8 @@ class Target:
     temperature: float = 0.0
     continuous_usage: bool = False
     api_key: str | None = None
+    # gRPC metadata for the router (its client credential); () = from this process's env
+    router_credentials: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if bool(self.base_url) == bool(self.router):
@@ -57,7 +59,8 @@ class Target:
     def client(self, request_timeout_s: float) -> Client:
         if self.router:
             return GrpcClient(self.router, model=self.model, ignore_eos=self.ignore_eos,
-                                temperature=self.temperature, timeout_s=request_timeout_s)
+                              temperature=self.temperature, timeout_s=request_timeout_s,
+                              credentials=self.router_credentials)
         return HttpClient(self.base_url, api=self.api, model=self.model,
                           ignore_eos=self.ignore_eos, temperature=self.temperature,
                           continuous_usage=self.continuous_usage, api_key=self.api_key)

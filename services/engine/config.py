@@ -60,7 +60,6 @@ class EngineServiceConfig(GrpcServiceConfig):
                                  "longest sequence (prompt + output); 0 = model's")
     default_max_tokens: int = setting(256, int_kind(1),
                                       "max_tokens when a request leaves it 0")
-    kvd_secret: str = setting("", STR, "shared secret the kvd expects from local clients")
     kvd_timeout: float = setting(
         30.0, float_kind(0.01),
         "seconds a kvd call may take (a decode's own RPC deadline wins when shorter)")

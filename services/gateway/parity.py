@@ -27,6 +27,8 @@ COUNTERPARTS: dict[str, str] = {
     "top_logprobs": "sampling.logprobs",
     "priority": "meta.priority",
     "user": "meta.tenant",  # only without API keys; with keys the key's tenant
+    # HMAC-SHA256 with the gateway's key of the tenant (or its cache group) and this field.
+    "cache_salt": "meta.cache_salt",
 }
 
 # OpenAI field -> why the router has no counterpart.
@@ -53,6 +55,4 @@ NO_COUNTERPART: dict[str, str] = {
 # Router field -> why the gateway does not take it from the request body.
 ROUTER_ONLY: dict[str, str] = {
     "meta.request_id": "the gateway names each call <x-request-id>-<choice>",
-    "meta.cache_salt": "not derived by the gateway yet (DESIGN.md 2: from the tenant, with a "
-                       "server secret); a gRPC caller may salt its own prefixes",
 }

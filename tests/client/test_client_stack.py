@@ -5,6 +5,7 @@ client on the same stack's gateway."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -35,7 +36,10 @@ LONG = 1500  # tokens: a request that is still running when the test stops it
 @pytest.fixture(scope="module")
 def stack() -> Iterator[UpStack]:
     up = UpStack(["--model", "tiny", "--prefill", "1", "--decode", "1", "--no-restart"]).start()
+    # The clients below take the router's credential from the environment, as a user's would.
+    os.environ["PDSERVE_CLIENT_SECRET_FILE"] = f"{up.secrets_dir}/PDSERVE_CLIENT_SECRET"
     yield up
+    os.environ.pop("PDSERVE_CLIENT_SECRET_FILE", None)
     up.stop()
 
 
@@ -52,7 +56,7 @@ def gateway(stack: UpStack) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def engine(stack: UpStack) -> Iterator[engine_pb2_grpc.EngineStub]:
-    with grpc.insecure_channel(stack.addresses["decode-0"]) as channel:
+    with stack.channel(stack.addresses["decode-0"]) as channel:
         yield engine_pb2_grpc.EngineStub(channel)
 
 
@@ -204,10 +208,12 @@ def test_unknown_model_is_not_found(client: Client) -> None:
 def test_the_banners_grpc_example_runs(stack: UpStack) -> None:
     """``pdserve up`` prints a pdserve.client one-liner next to curl and openai: it works."""
     at = next(i for i, line in enumerate(stack.lines) if "from pdserve.client import" in line)
+    variable, _, value = stack.lines[at - 1].strip().removesuffix("\\").strip().partition("=")
     command = (stack.lines[at].strip() + stack.lines[at + 1]).replace("\\", "")
     code = command.removeprefix('python -c "').removesuffix('"')
+    assert variable == "PDSERVE_CLIENT_SECRET_FILE"  # the router's credential, from its file
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=child_env(), cwd=ROOT)
+                         timeout=120, env={**child_env(), variable: value}, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()
 

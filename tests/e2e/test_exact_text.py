@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-import grpc
 import openai
 import pytest
 
@@ -135,7 +134,7 @@ def _pinned(up: UpStack) -> dict[str, int]:
     """Pinned kvd slots and used engine blocks of every process of the stack."""
     out = {}
     for name, address in up.addresses.items():
-        with grpc.insecure_channel(address) as channel:
+        with up.channel(address) as channel:
             if name.startswith("kvd"):
                 stats = kvd_pb2_grpc.KvdStub(channel).Stats(kvd_pb2.KvdStatsRequest(),
                                                             timeout=5)

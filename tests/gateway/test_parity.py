@@ -95,7 +95,7 @@ SAMPLED = {"temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1, "seed": 1
 def test_completion_bodies_become_the_clients_requests(body: dict[str, Any]) -> None:
     req = CompletionRequest.model_validate(body)
     [gateway] = req.router_requests(req.model, req.inputs(), req.completion_limit,
-                                    req.num_logprobs, "rid", req.user or "")
+                                    req.num_logprobs, "rid", req.user or "", "")
     params = {**_client_params(body), "request_id": "rid-0"}
     assert build_request("tiny", prompt=body["prompt"], params=params) == gateway
 
@@ -108,7 +108,7 @@ def test_chat_bodies_become_the_clients_requests() -> None:
             "logprobs": True, "top_logprobs": 3, **SAMPLED}
     req = ChatCompletionRequest.model_validate(body)
     [gateway] = req.router_requests(req.model, req.inputs(), req.completion_limit,
-                                    req.num_logprobs, "rid", req.user or "")
+                                    req.num_logprobs, "rid", req.user or "", "")
     params = {**_client_params(body), "max_tokens": 9, "logprobs": 3, "request_id": "rid-0"}
     assert build_request("tiny", messages=messages, params=params) == gateway
 

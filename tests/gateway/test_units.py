@@ -32,7 +32,8 @@ def test_keys_file(tmp_path: Path) -> None:
 def test_keys_file_errors(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     path.write_text("sk-a\nbad key,t\n")
-    with pytest.raises(ValueError, match="--keys-file: line 2: expected 'key\\[,tenant\\]'"):
+    with pytest.raises(ValueError, match="--keys-file: line 2: expected "
+                       "'key\\[,tenant\\[,cache_group\\]\\]'"):
         KeyStore.load(str(path), [])
     with pytest.raises(ValueError, match="--keys-file: cannot read"):
         KeyStore.load(str(tmp_path / "missing"), [])

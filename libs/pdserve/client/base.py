@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from pdserve import auth
 from pdserve.client.channel import TLS, Retry, channel_credentials, channel_options
 
 DEFAULT_TARGET = "127.0.0.1:50051"  # the router's default --port
@@ -37,8 +38,12 @@ class Settings:
            metadata: Metadata, options: Sequence[tuple[str, Any]]) -> Settings:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout: must be > 0 seconds or None, got {timeout}")
+        given = tuple(metadata)
+        if not any(key == auth.CLIENT.key for key, _ in given):
+            # The router's client credential, when this process holds one (pdserve.auth).
+            given += auth.metadata([auth.CLIENT])
         return cls(target, model, timeout, retry, TLS() if tls is True else (tls or None),
-                   call_credentials, tuple(metadata), tuple(options))
+                   call_credentials, given, tuple(options))
 
     @property
     def channel_options(self) -> list[tuple[str, Any]]:

@@ -33,7 +33,8 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from pdserve.channel import SECRET_KEY, insecure_channel
+from pdserve.auth import DATA
+from pdserve.channel import insecure_channel
 from pdserve.hashing import block_checksum
 from pdserve.kvd import layout as L
 from pdserve.proto.v1 import common_pb2, kvd_pb2, kvd_pb2_grpc
@@ -87,7 +88,7 @@ class KvdClient:
         self.client_id = client_id
         self._channel = insecure_channel(address)
         self._stub = kvd_pb2_grpc.KvdStub(self._channel)
-        self._md = ((SECRET_KEY, secret),) if secret else ()
+        self._md = ((DATA.key, secret),) if secret else ()
         self._timeout = rpc_timeout
         self._shm: shared_memory.SharedMemory | None = None
         self.layout: L.BlockLayout | None = None
@@ -155,7 +156,8 @@ class KvdClient:
                 checksum = block_checksum(self.slot_memory(e.pin.slot))
             pb.append(kvd_pb2.CommitEntry(slot=e.pin.slot, hash=e.hash, checksum=checksum,
                                           pin_id=e.pin.pin_id))
-        req = kvd_pb2.CommitRequest(entries=pb, destination=destination, release=release)
+        req = kvd_pb2.CommitRequest(entries=pb, destination=destination, release=release,
+                                    client_id=self.client_id)
         r = await self._stub.Commit(req, timeout=self._timeout, metadata=self._md)
         return CommitResult(r.num_duplicates, r.num_pushed, r.push_started, tuple(r.slots))
 
@@ -183,7 +185,8 @@ class KvdClient:
         return _pins(r.pins)
 
     async def release(self, pin_ids: Sequence[int]) -> int:
-        r = await self._stub.Release(kvd_pb2.ReleaseRequest(pin_ids=pin_ids),
+        r = await self._stub.Release(kvd_pb2.ReleaseRequest(pin_ids=pin_ids,
+                                                            client_id=self.client_id),
                                      timeout=self._timeout, metadata=self._md)
         return int(r.num_released)
 
