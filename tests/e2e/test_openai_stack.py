@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
-from tests.e2e.stack import ROOT, UpStack, child_env, wait_until
+from tests.e2e.stack import ROOT, UpStack, wait_until
 
 KEY = "sk-e2e-test"
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog. " * 6]
