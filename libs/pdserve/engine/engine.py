@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.attention import get_backend
 from pdserve.engine.config import EngineArgs
-from pdserve.engine.kv_cache import KVCacheManager, PagedKVCache
+from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import EngineStats, Request, RequestOutput, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplerOutput
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.engine.setup import build_parts
 from pdserve.engine.stop import check_stop
 from pdserve.errors import BadRequest
 from pdserve.sampling_params import SamplingParams
@@ -37,22 +37,18 @@ class Engine:
         args = args or EngineArgs()
         cfg = lm.config
         self.args, self.config, self.tokenizer = args, cfg, lm.tokenizer
-        device = torch.device(args.device)
-        bs = args.block_size
-        per_block = PagedKVCache.bytes_per_block(cfg.num_layers, bs, cfg.num_kv_heads,
-                                                 cfg.head_dim, cfg.dtype)
-        num_blocks = args.num_blocks or max(1, args.kv_cache_memory_bytes // per_block)
-        self.cache = PagedKVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads,
-                                  cfg.head_dim, cfg.dtype, device)
-        self.kv = KVCacheManager(num_blocks, bs, cfg.fingerprint, args.enable_prefix_caching)
-        backend = get_backend(args.attention_backend, self.cache.layers, cfg.num_heads)
-        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
-        self.runner = ModelRunner(lm.model, self.kv, backend, Sampler(args.seed, device), device)
-        self.device = device
         # Full attention equals a sliding window only up to the window's length: cap the
         # context there, so a windowed model (Mistral, Mixtral) never drifts from its reference.
         context = min(cfg.max_position_embeddings, cfg.sliding_window or 1 << 62)
         self.max_model_len = min(args.max_model_len or context, context)
+        parts = build_parts(lm, args, self.max_model_len)
+        device, self.cache, self.kernels = parts.device, parts.cache, parts.kernels
+        self.kv = KVCacheManager(parts.num_blocks, args.block_size, cfg.fingerprint,
+                                 args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
+        self.runner = ModelRunner(lm.model, self.kv, parts.backend,
+                                  Sampler(args.seed, device), device, parts.graphs)
+        self.device = device
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
