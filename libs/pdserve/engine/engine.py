@@ -13,6 +13,7 @@ next reuses them instead of recomputing.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -186,17 +187,24 @@ class Engine:
             raise ValueError(f"page_ids out of range [0, {self.kv.pool.num_blocks}): {bad[:5]}")
         self.cache.export_pages(page_ids, out)
 
-    def import_blocks(self, hashes: list[bytes], data: torch.Tensor) -> int:
-        """Scatter wire-layout blocks into free pages, cached under ``hashes`` (a chain from
-        the first block). Returns how many were newly imported (already cached ones and those
-        beyond the free pages are skipped)."""
+    def import_blocks(self, hashes: list[bytes],
+                      data: torch.Tensor | Sequence[torch.Tensor],
+                      scatter: Callable[[list[int], list[torch.Tensor]], None] | None = None
+                      ) -> int:
+        """Scatter wire-layout blocks (``data[i]`` is block i) into free pages, cached under
+        ``hashes`` (a chain from the first block). Returns how many were newly imported
+        (already cached ones and those beyond the free pages are skipped). ``scatter(pages,
+        blocks)`` replaces the synchronous copy (the kvd staging's pinned, async one)."""
         if not self.args.enable_prefix_caching:
             raise ValueError("import_blocks needs enable_prefix_caching=True")
-        if data.shape[0] != len(hashes):
-            raise ValueError(f"data has {data.shape[0]} blocks but hashes has {len(hashes)}")
+        if len(data) != len(hashes):
+            raise ValueError(f"data has {len(data)} blocks but hashes has {len(hashes)}")
         todo, pages, pinned = self.kv.import_begin(hashes)
-        if todo:
-            self.cache.import_pages(pages, data[torch.tensor(todo)])
+        if todo and scatter is not None:
+            scatter(pages, [data[i] for i in todo])
+        elif todo:
+            block_data = data if isinstance(data, torch.Tensor) else torch.stack(list(data))
+            self.cache.import_pages(pages, block_data[torch.tensor(todo)])
         self.kv.import_end([hashes[i] for i in todo], pages, pinned)
         return len(todo)
 

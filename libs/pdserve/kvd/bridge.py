@@ -3,8 +3,9 @@
     engine pages ──export_blocks──► kvd slots (allocate → write → commit [+ push to dest])
     engine pages ◄─import_blocks─── kvd slots (lookup / await → pins → read → release)
 
-Both copies run on the engine thread (``AsyncEngine.call``), between steps, straight into or out
-of the zero-copy slot views, so the bytes are copied once per direction. Slots are pinned
+Both copies are issued on the engine thread (``AsyncEngine.call``), between steps, straight into
+or out of the zero-copy slot views, so the bytes are copied once per direction; on CUDA they
+are pinned, asynchronous copies on a side stream (``kvd/staging.py``). Slots are pinned
 only for the copy: a commit releases the writer's pins, an import releases the reader's.
 """
 
@@ -20,11 +21,11 @@ import grpc
 import torch
 
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.engine import Engine
 from pdserve.errors import StatusError
 from pdserve.hashing import block_checksum
 from pdserve.kvd.client import CommitEntry, KvdClient, Pin
 from pdserve.kvd.layout import BlockLayout
+from pdserve.kvd.staging import KvStaging
 from pdserve.proto.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class KvBridge:
         self.client = client
         self.address = address
         self.node_id = ""
+        self.staging: KvStaging | None = None
 
     @_kvd_status
     async def register(self) -> None:
@@ -75,6 +77,7 @@ class KvBridge:
                              dtype=DTYPE_NAMES[cfg.dtype], model_fingerprint=cfg.fingerprint)
         info = await self.client.register(layout)
         self.node_id = info.node_id
+        self.staging = KvStaging(self.aengine.engine, self.client)
 
     @property
     def endpoint(self) -> common_pb2.KvdEndpoint:
@@ -92,12 +95,10 @@ class KvBridge:
         pins = await self.client.allocate(len(blocks))
         try:
             views = [self.client.slot_view(p.slot) for p in pins]
-
-            def copy_out(engine: Engine) -> None:
-                for (_, page), view in zip(blocks, views, strict=True):
-                    engine.export_blocks([page], view.unsqueeze(0))
-
-            await self.aengine.call(copy_out)
+            staging = self._staging()
+            ticket = await self.aengine.call(
+                lambda _: staging.export([page for _, page in blocks], views))
+            await ticket.wait_async()
             sums = [block_checksum(self.client.slot_memory(p.slot)) for p in pins]
             entries = [CommitEntry(p, h, c) for p, (h, _), c in zip(pins, blocks, sums,
                                                                       strict=True)]
@@ -139,13 +140,20 @@ class KvBridge:
                       with_checksums: bool = False) -> list[int]:
         """Copy pinned slots into the engine; returns their checksums when asked."""
         try:
-            data = torch.stack([self.client.slot_view(p.slot) for p in pins])
+            views = [self.client.slot_view(p.slot) for p in pins]
             sums = ([block_checksum(self.client.slot_memory(p.slot)) for p in pins]
                     if with_checksums else [])
-            await self.aengine.call(lambda e: e.import_blocks(hashes, data))
+            staging = self._staging()
+            _, ticket = await self.aengine.call(lambda _: staging.import_(hashes, views))
+            await ticket.wait_async()  # the slots are read before their pins go
             return sums
         finally:
             await self._release_quietly([p.pin_id for p in pins])
+
+    def _staging(self) -> KvStaging:
+        if self.staging is None:
+            raise RuntimeError("kvd bridge: register() first")
+        return self.staging
 
     async def _release_quietly(self, pin_ids: list[int]) -> None:
         try:
