@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/pip
 STUBS := libs/pdserve/proto/v1/__init__.py
 PROTOS := $(wildcard protos/pdserve/v1/*.proto)
 
-.PHONY: setup protos run test lint bench clean
+.PHONY: setup protos run test lint bench clean gpu-bundle device-check
 
 setup: .setup-stamp $(STUBS)
 
@@ -35,5 +35,13 @@ lint: setup
 bench: setup
 	$(VENV)/bin/pdserve bench all
 
+# The device check (docs/benchmarks.md): build the bundle where PyPI is reachable, then run
+# `make device-check` (or scripts/device_check.sh) on the GPU machine.
+gpu-bundle: setup
+	$(PY) scripts/gpu_bundle/build.py
+
+device-check:
+	scripts/device_check.sh
+
 clean:
-	rm -rf $(VENV) .setup-stamp libs/pdserve/proto/v1 build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .setup-stamp .gpu-bundle device-check-out libs/pdserve/proto/v1 build *.egg-info .pytest_cache .mypy_cache .ruff_cache
