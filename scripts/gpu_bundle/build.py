@@ -51,7 +51,7 @@ PACKAGES = (
 # For the closure analysis only, on this machine's Python: FlashInfer's pure-Python imports.
 ANALYSIS_DEPS = ("requests", "einops", "tabulate", "click", TVM_FFI)
 MAX_BYTES = 56 << 20  # leaves the checkout room under the 64 MiB a call may carry
-MINIMAL_INIT = '''"""FlashInfer, trimmed by pdserve's GPU bundle (scripts/gpu_bundle/build.py): paged
+MINIMAL_INIT = '''"""FlashInfer, trimmed by pdserve's GPU bundle (scripts/gpu_bundle): paged
 attention, norm, activation, RoPE and sampling only."""
 
 from . import activation, decode, norm, page, prefill, rope, sampling
@@ -95,7 +95,8 @@ def unpack(wheel: Path, site: Path) -> None:
             target = site.joinpath(*parts)
             target.parent.mkdir(parents=True, exist_ok=True)
             soname = _soname(target.name)
-            if soname is not None and soname != target.name and f"{name[:-len(target.name)]}{soname}" in names:
+            sibling = f"{name[: -len(target.name)]}{soname}"
+            if soname is not None and soname != target.name and sibling in names:
                 target.unlink(missing_ok=True)
                 target.symlink_to(soname)
                 continue

@@ -79,7 +79,6 @@ def python_closure(site: Path) -> set[Path]:
 
 def jit_sources() -> list[Path]:
     import torch
-
     from flashinfer.jit import activation, norm, page, rope, sampling
     from flashinfer.jit.attention import modules
 
