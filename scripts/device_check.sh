@@ -30,5 +30,7 @@ NVCC=$(command -v nvcc || true)
 export CUDA_HOME=${CUDA_HOME:-${NVCC:+$(dirname "$(dirname "$NVCC")")}}
 export PYTHONPATH="$SITE:$PWD/libs:$PWD" PYTHONUNBUFFERED=1 UCXPY_PROGRESS_MODE=blocking
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/pdserve-flashinfer}
+# FlashInfer's norms: its CUDA kernels (compiled here), not the CuTe DSL (not in the bundle).
+export FLASHINFER_USE_CUDA_NORM=1
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 "$PY" -m pdserve_bench.gpu --out "$OUT_DIR/device_check.json" 2>&1 | tee "$OUT_DIR/device_check.log"

@@ -7,8 +7,9 @@ Expert weights are stacked so a layer is three tensors, whatever the number of e
 
 Tokens are sorted by expert once. On CPU the loop runs over experts (a handful), never over
 tokens; it needs each expert's count on the host. On CUDA that would be a host sync in every
-layer, so there the sorted rows go through ``torch._grouped_mm`` with the experts' row offsets
-kept on the device (one grouped GEMM per projection, no sync).
+layer, so there (in bfloat16, what its grouped GEMM takes) the sorted rows go through
+``torch._grouped_mm`` with the experts' row offsets kept on the device (one grouped GEMM per
+projection, no sync).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class SparseMoe(nn.Module, UsesKernels):
         self.gate = Linear(hidden_size, moe.num_experts)
         self.w13 = empty_param(moe.num_experts, 2 * moe.intermediate_size, hidden_size)
         self.w2 = empty_param(moe.num_experts, hidden_size, moe.intermediate_size)
-        self.grouped: bool | None = None  # None: grouped GEMM on CUDA, per expert elsewhere
+        self.grouped: bool | None = None  # None: grouped on CUDA in bf16, else per expert
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if moe.shared_intermediate_size:
@@ -59,7 +60,8 @@ class SparseMoe(nn.Module, UsesKernels):
         counts = torch.zeros(self.w13.shape[0], dtype=torch.long, device=x.device)
         counts.index_add_(0, flat, torch.ones_like(flat))
         x_sorted = x[token_of_slot]
-        if x.is_cuda if self.grouped is None else self.grouped:
+        grouped = x.is_cuda and x.dtype == torch.bfloat16  # what CUDA's grouped GEMM takes
+        if grouped if self.grouped is None else self.grouped:
             offsets = counts.cumsum(0).to(torch.int32)
             hidden = self.kernels.silu_and_mul(_grouped(x_sorted, self.w13, offsets))
             out_sorted = _grouped(hidden, self.w2, offsets)
