@@ -83,9 +83,12 @@ def drop(name: str) -> bool:
 
 def unpack(wheel: Path, site: Path) -> None:
     """Extract a wheel into the site directory (``*.data/{purelib,platlib}`` merged in);
-    of a library stored under several names, one copy and symlinks for the others."""
+    of a library stored under several names, one copy and symlinks for the others. Of
+    FlashInfer's wheel only the ``flashinfer`` package (it also carries other top-level ones)."""
+    only = ("flashinfer/", "flashinfer_python-") if wheel.name.startswith("flashinfer_") else ("",)
     with zipfile.ZipFile(wheel) as zf:
-        names = [n for n in zf.namelist() if not n.endswith("/") and not drop(n)]
+        names = [n for n in zf.namelist()
+                 if not n.endswith("/") and not drop(n) and n.startswith(only)]
         for name in names:
             parts = name.split("/")
             if parts[0].endswith(".data"):

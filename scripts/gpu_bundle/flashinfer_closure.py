@@ -8,7 +8,8 @@ Imports FlashInfer from the site dir (CPU torch is enough: nothing is compiled),
   flashinfer module those modules name in an import anywhere (also inside functions, which
   run later, at plan or JIT time), transitively;
 - JIT: the JitSpecs of the modules pdserve builds (paged decode and prefill, page, norm,
-  SiLU-and-mul, RoPE, sampling) give their source files; those and every header they
+  SiLU-and-mul, RoPE, sampling) give their source files, and generating them opens the
+  templates and sources they are rendered or copied from; those and every header they
   ``#include`` (transitively, resolved on FlashInfer's include path) are kept, and every
   template (``*.jinja``) and header at the top of ``data/csrc``.
 
@@ -77,12 +78,25 @@ def python_closure(site: Path) -> set[Path]:
     return files
 
 
+OPENED: list[Path] = []
+
+
+def _record_open(event: str, args: tuple[object, ...]) -> None:
+    if event == "open" and isinstance(args[0], str | Path):
+        path = Path(args[0])
+        if "flashinfer" in path.parts and "data" in path.parts:
+            OPENED.append(path)
+
+
 def jit_sources() -> list[Path]:
+    """The sources of the modules pdserve builds, and every file generating them read (the
+    generators copy and render templates from ``data/csrc``: an audit hook sees each open)."""
     import torch
     from flashinfer.jit import activation, norm, page, rope, sampling
     from flashinfer.jit.attention import modules
 
     bf16 = torch.bfloat16
+    sys.addaudithook(_record_open)
     specs = [
         modules.gen_batch_decode_module(bf16, bf16, bf16, torch.int32, 128, 128, 0, False,
                                         False),
@@ -92,7 +106,7 @@ def jit_sources() -> list[Path]:
         activation.gen_act_and_mul_module("silu"), rope.gen_rope_module(),
         sampling.gen_sampling_module(),
     ]
-    return [Path(s) for spec in specs for s in spec.sources]
+    return [*(Path(s) for spec in specs for s in spec.sources), *OPENED]
 
 
 def include_closure(sources: list[Path], include_dirs: list[Path]) -> set[Path]:
