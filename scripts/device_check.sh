@@ -32,5 +32,10 @@ export PYTHONPATH="$SITE:$PWD/libs:$PWD" PYTHONUNBUFFERED=1 UCXPY_PROGRESS_MODE=
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/pdserve-flashinfer}
 # FlashInfer's norms: its CUDA kernels (compiled here), not the CuTe DSL (not in the bundle).
 export FLASHINFER_USE_CUDA_NORM=1
+# They include cuBLAS's headers: the bundle's when the toolkit here has none.
+if [[ ! -f ${CUDA_HOME:-/usr/local/cuda}/include/cublasLt.h ]]; then
+  export FLASHINFER_EXTRA_CUDAFLAGS="-isystem $PWD/$BUNDLE/cuda-include ${FLASHINFER_EXTRA_CUDAFLAGS:-}"
+  export FLASHINFER_EXTRA_CFLAGS="-isystem $PWD/$BUNDLE/cuda-include ${FLASHINFER_EXTRA_CFLAGS:-}"
+fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 "$PY" -m pdserve_bench.gpu --out "$OUT_DIR/device_check.json" 2>&1 | tee "$OUT_DIR/device_check.log"

@@ -3,10 +3,13 @@ FlashInfer (its RoPE cos/sin table) and the torch kernels' residual stream."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
-from pdserve.models.kernels import TORCH_KERNELS, flashinfer_kernels_reason
+from pdserve.models import kernels
+from pdserve.models.kernels import TORCH_KERNELS, Kernels, flashinfer_kernels_reason
 from pdserve.models.rope import RopeConfig, Rotary, apply_rope
 
 
@@ -39,3 +42,28 @@ def test_fused_kernels_only_on_cuda_in_half_precision() -> None:
     assert flashinfer_kernels_reason(cpu, torch.bfloat16) == "device cpu is not CUDA"
     assert flashinfer_kernels_reason(torch.device("cuda"), torch.float32) == (
         "dtype torch.float32 is not float16 or bfloat16")
+
+
+class _WrongNorm(Kernels):
+    name = "wrong"
+
+    def __init__(self, *args: object) -> None:
+        pass
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return x  # not normalised
+
+
+def test_kernels_that_disagree_are_replaced_by_torch_saying_why(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    rotary = Rotary(RopeConfig(), 64)
+    cpu = torch.device("cpu")
+    kernels.self_test(TORCH_KERNELS, rotary, cpu, torch.bfloat16)  # the reference passes
+    monkeypatch.setattr(kernels, "flashinfer_kernels_reason", lambda device, dtype: None)
+    monkeypatch.setattr(kernels, "FlashInferKernels", _WrongNorm)
+    with caplog.at_level(logging.INFO, logger="pdserve.models.kernels"):
+        chosen = kernels.kernels_for(rotary, 128, cpu, torch.bfloat16)
+    assert chosen is TORCH_KERNELS
+    (record,) = caplog.records
+    assert record.getMessage() == "elementwise kernels: torch"
+    assert record.fields["reason"].startswith("AssertionError: Tensor-likes are not close")  # type: ignore[attr-defined]

@@ -8,19 +8,24 @@ on CUDA in half precision.
 The torch versions round like Hugging Face's (normalise in float32, cast, then the weight);
 FlashInfer's fused add-RMSNorm and RoPE work in place and keep the sum in float32 until the
 norm, which differs from the reference only in bfloat16's last bits. ``kernels_for`` picks
-FlashInfer only where it runs: CUDA, float16/bfloat16, the package importable.
+FlashInfer only where it runs (CUDA, float16/bfloat16, the package importable) and where its
+modules build and agree with the torch ones on a small input; otherwise torch, with one log
+line saying why.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.models.rope import Rotary, apply_rope
+
+log = logging.getLogger(__name__)
 
 
 class Kernels:
@@ -103,8 +108,35 @@ def flashinfer_kernels_reason(device: torch.device, dtype: torch.dtype) -> str |
     return None
 
 
+def self_test(kernels: Kernels, rotary: Rotary, device: torch.device,
+              dtype: torch.dtype) -> None:
+    """Run every kernel once against the torch ones (FlashInfer compiles each on first use:
+    a module that cannot be built fails here, at start, not in the first request)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(4, 2 * rotary.inv_freq.numel() * 2, generator=g, device=device).to(dtype)
+    weight = torch.ones(x.shape[-1], device=device, dtype=dtype)
+    positions = torch.arange(4, device=device)
+    q, k = x.view(4, 2, -1).clone(), x.view(4, 2, -1).clone()
+    pairs = [(kernels.rms_norm(x.clone(), weight, 1e-6), TORCH_KERNELS.rms_norm(x, weight, 1e-6)),
+             (kernels.add_rms_norm(x.clone(), x.clone(), weight, 1e-6)[0],
+              TORCH_KERNELS.add_rms_norm(x, x, weight, 1e-6)[0]),
+             (kernels.silu_and_mul(x.clone()), TORCH_KERNELS.silu_and_mul(x)),
+             (kernels.rope(q.clone(), k.clone(), kernels.rope_inputs(rotary, positions, dtype))[0],
+              TORCH_KERNELS.rope(q, k, TORCH_KERNELS.rope_inputs(rotary, positions, dtype))[0])]
+    for got, expect in pairs:
+        torch.testing.assert_close(got.float(), expect.float(), atol=0.05, rtol=0.05)
+
+
 def kernels_for(rotary: Rotary, max_positions: int, device: torch.device,
                 dtype: torch.dtype) -> Kernels:
-    if flashinfer_kernels_reason(device, dtype) is None:
-        return FlashInferKernels(rotary, max_positions, device)
+    """FlashInfer's kernels where they run and pass ``self_test``; else torch's, saying why."""
+    reason = flashinfer_kernels_reason(device, dtype)
+    if reason is None:
+        try:
+            kernels = FlashInferKernels(rotary, max_positions, device)
+            self_test(kernels, rotary, device, dtype)
+            return kernels
+        except Exception as exc:  # noqa: BLE001 - a kernel that cannot build: run torch's
+            reason = f"{type(exc).__name__}: {str(exc)[:300]}"
+    log.info("elementwise kernels: torch", extra={"fields": {"reason": reason}})
     return TORCH_KERNELS
