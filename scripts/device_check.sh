@@ -32,8 +32,9 @@ export PYTHONPATH="$SITE:$PWD/libs:$PWD" PYTHONUNBUFFERED=1 UCXPY_PROGRESS_MODE=
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/pdserve-flashinfer}
 # FlashInfer's norms: its CUDA kernels (compiled here), not the CuTe DSL (not in the bundle).
 export FLASHINFER_USE_CUDA_NORM=1
-# They include cuBLAS's headers: the bundle's when the toolkit here has none.
-if [[ ! -f ${CUDA_HOME:-/usr/local/cuda}/include/cublasLt.h ]]; then
+# They include cuBLAS's and cuRAND's headers: the bundle's when the toolkit here lacks them.
+if [[ ! -f ${CUDA_HOME:-/usr/local/cuda}/include/cublasLt.h ||
+      ! -f ${CUDA_HOME:-/usr/local/cuda}/include/curand_kernel.h ]]; then
   export FLASHINFER_EXTRA_CUDAFLAGS="-isystem $PWD/$BUNDLE/cuda-include ${FLASHINFER_EXTRA_CUDAFLAGS:-}"
   export FLASHINFER_EXTRA_CFLAGS="-isystem $PWD/$BUNDLE/cuda-include ${FLASHINFER_EXTRA_CFLAGS:-}"
 fi

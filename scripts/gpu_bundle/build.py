@@ -18,8 +18,8 @@ site directory, trimmed, and packed as ``.gpu-bundle/site.tar.xz``:
   OpenTelemetry's API and SDK, redis: pure Python or one extension each.
 
 ``.gpu-bundle/proto/`` gets the generated stubs (``scripts/gen_protos.py``), which the device
-check copies into place when the checkout lacks them; ``.gpu-bundle/cuda-include/`` cuBLAS's
-headers, which FlashInfer's norm kernels include (a toolkit of nvcc alone lacks them).
+check copies into place when the checkout lacks them; ``.gpu-bundle/cuda-include/`` cuBLAS's and
+cuRAND's headers, which FlashInfer's norm kernels include (a toolkit of nvcc alone lacks them).
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ PACKAGES = (
     "protobuf==7.36.2", "opentelemetry-api==1.45.2", "opentelemetry-sdk==1.45.2",
     "opentelemetry-semantic-conventions==0.66b2", "redis==8.1.0",
 )
-# FlashInfer's norm kernels include cuBLAS's headers, which a toolkit of nvcc alone lacks: the
-# headers (only) of the cuBLAS matching CUDA 13.0 go to .gpu-bundle/cuda-include.
-CUBLAS = "nvidia-cublas==13.0.2.14"
+# FlashInfer's norm kernels include cuBLAS's and cuRAND's headers, which a toolkit of nvcc alone
+# lacks: their headers (only), for CUDA 13, go to .gpu-bundle/cuda-include.
+HEADERS = ("nvidia-cublas==13.0.2.14", "nvidia-curand==10.4.5.25")
 # For the closure analysis only, on this machine's Python: FlashInfer's pure-Python imports.
 ANALYSIS_DEPS = ("requests", "einops", "tabulate", "click", TVM_FFI)
 MAX_BYTES = 56 << 20  # leaves the checkout room under the 64 MiB a call may carry
@@ -141,14 +141,14 @@ def trim_flashinfer(site: Path, work: Path) -> None:
 def cuda_headers(work: Path, bundle: Path) -> None:
     platform_args = [a for p in PLATFORMS for a in ("--platform", p)]
     pip("download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-        "--implementation", "cp", *platform_args, "-d", str(work / "cublas"), CUBLAS)
-    (wheel,) = (work / "cublas").glob("*.whl")
+        "--implementation", "cp", *platform_args, "-d", str(work / "headers"), *HEADERS)
     out = bundle / "cuda-include"
     out.mkdir()
-    with zipfile.ZipFile(wheel) as zf:
-        for name in zf.namelist():
-            if "/include/" in name and name.endswith(".h"):
-                (out / Path(name).name).write_bytes(zf.read(name))
+    for wheel in (work / "headers").glob("*.whl"):
+        with zipfile.ZipFile(wheel) as zf:
+            for name in zf.namelist():
+                if "/include/" in name and name.endswith(".h"):
+                    (out / Path(name).name).write_bytes(zf.read(name))
 
 
 def pack(site: Path, bundle: Path) -> Path:
@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_protos.py")], check=True)
     shutil.copytree(ROOT / "libs" / "pdserve" / "proto" / "v1", args.out / "proto")
     size = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
-    manifest = {"packages": [*PACKAGES, f"{CUBLAS} (headers only)"], "bytes": size}
+    manifest = {"packages": [*PACKAGES, *(f"{h} (headers only)" for h in HEADERS)],
+                "bytes": size}
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"{archive.relative_to(ROOT) if archive.is_relative_to(ROOT) else archive}: "
           f"{size / 2**20:.1f} MiB in all")
