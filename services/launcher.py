@@ -290,6 +290,8 @@ Try it {auth}:
     -d '{{"model": "{ns.model}", "prompt": "Hello", "max_tokens": 16}}'
   python -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='none'); \\
 print(c.completions.create(model='{ns.model}', prompt='Hello', max_tokens=16).choices[0].text)"
+  python -c "from pdserve.client import Client; \\
+print(Client('{stack.router_address}').generate('Hello', max_tokens=16).collect().text)"
 """)
     print(f"pdserve ready: {base}", flush=True)
 

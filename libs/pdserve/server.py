@@ -17,9 +17,8 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from pdserve import env
+from pdserve import env, reflection
 from pdserve.channel import GRPC_OPTIONS, SECRET_KEY
 from pdserve.env import (
     NAME,
@@ -112,9 +111,7 @@ def make_server(host: str, port: int, services: Sequence[tuple[Any, Any, str]],
         names.append(name)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME], server)
+    reflection.enable(server, [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
     bound = server.add_insecure_port(f"{_bracket(host)}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")

@@ -77,6 +77,7 @@ class LoadSettings:
     slo_tpot_ms: float | None = None
     warmup_requests: int = 0
     progress: bool = True
+    block_size: int = 16  # the server's, for the multiturn reuse oracle
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
@@ -197,7 +198,8 @@ async def run_load_async(target: Target, load: LoadSettings, maker: PromptMaker 
             finally:
                 bar.close()
             summary = summarize(results, slo_ttft_ms=load.slo_ttft_ms,
-                                slo_tpot_ms=load.slo_tpot_ms, num_skipped=skipped)
+                                slo_tpot_ms=load.slo_tpot_ms, num_skipped=skipped,
+                                block_size=load.block_size)
             runs.append(RunResult(rate, tuple(results), summary))
     finally:
         await client.close()

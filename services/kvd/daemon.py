@@ -190,11 +190,21 @@ class Kvd:
             resp.push_started, resp.num_pushed = pushed is not None, pushed or 0
         return resp
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
+    async def lookup(self, hashes: Sequence[bytes], include_index: bool) -> tuple[int, int]:
+        """The leading run of ``hashes`` present here, and (with ``include_index``) the
+        longest one here or on another node per the index, which Await can pull."""
         self._check_batch(len(hashes), "hashes")
         for i, h in enumerate(hashes):
             self._check_hash(h, f"hashes[{i}]")
-        return self._ship().pool.lookup(hashes)
+        here = self._ship().pool.lookup(hashes)
+        if not include_index or self._index is None or here == len(hashes):
+            return here, here
+        try:
+            counts = await self._index.lookup(hashes)
+        except IndexUnavailable:
+            return here, here  # the index is soft state: no answer is a miss, not an error
+        elsewhere = max((c for n, c in counts.items() if n != self.me.node_id), default=0)
+        return here, max(here, min(elsewhere, len(hashes)))
 
     def release(self, pin_ids: Sequence[int]) -> int:
         ship = self._ship()

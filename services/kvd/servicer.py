@@ -47,7 +47,8 @@ class KvdServicer(kvd_pb2_grpc.KvdServicer):
     @rpc_handler("Lookup")
     async def Lookup(self, request: kvd_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> kvd_pb2.LookupResponse:
-        return kvd_pb2.LookupResponse(num_present=self.kvd.lookup(request.hashes))
+        here, available = await self.kvd.lookup(request.hashes, request.include_index)
+        return kvd_pb2.LookupResponse(num_present=here, num_available=available)
 
     @rpc_handler("Await")
     async def Await(self, request: kvd_pb2.AwaitRequest,

@@ -190,7 +190,7 @@ async def test_cancelled_decode_frees_its_blocks(cluster: Cluster) -> None:
 @pytest.mark.parametrize("cluster", ["tiny"], indirect=True)  # MoE: the parity test
 async def test_blocks_that_never_arrive_fail_with_deadline_exceeded(cluster: Cluster) -> None:
     prompt = [(19 * i) % 250 + 2 for i in range(40)]  # never prefilled anywhere
-    fingerprint = llm(cluster.model).engine.config.fingerprint
+    fingerprint = llm(cluster.model).engine.fingerprint
     refs = [common_pb2.BlockRef(hash=h, checksum=1) for h in hash_blocks(prompt, 16, fingerprint)]
     with socket.socket() as blackhole:  # a "kvd" that accepts connections and never answers
         blackhole.bind(("127.0.0.1", 0))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pdserve.engine.config import EngineArgs
+from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import EngineStats, Request, RequestOutput, RequestStatus
 from pdserve.engine.runner import ModelRunner
@@ -27,6 +28,7 @@ from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.setup import build_parts
 from pdserve.engine.stop import check_stop
 from pdserve.errors import BadRequest
+from pdserve.hashing import kv_fingerprint
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -44,7 +46,10 @@ class Engine:
         self.max_model_len = min(args.max_model_len or context, context)
         parts = build_parts(lm, args, self.max_model_len)
         device, self.cache, self.kernels = parts.device, parts.cache, parts.kernels
-        self.kv = KVCacheManager(parts.num_blocks, args.block_size, cfg.fingerprint,
+        self.kv_dtype = str(cfg.dtype).removeprefix("torch.")
+        # What this engine's block hashes cover besides tokens (shared with kvd and router).
+        self.fingerprint = kv_fingerprint(cfg.fingerprint, self.kv_dtype)
+        self.kv = KVCacheManager(parts.num_blocks, args.block_size, self.fingerprint,
                                  args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(lm.model, self.kv, parts.backend,
@@ -67,22 +72,37 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str = "", prefill_only: bool = False) -> None:
-        """Queue a request; raises BadRequest (a ValueError) naming the bad field."""
+                    priority: int = 0, cache_salt: str = "", prefill_only: bool = False,
+                    hold: bool = False, prior_output: int = 0) -> None:
+        """Queue a request; raises BadRequest (a ValueError) naming the bad field.
+
+        prefill_only: finish after the first token and keep the pages (a decode engine goes
+        on). hold: keep the pages once finished, until ``release``. prior_output: the last
+        that many prompt tokens are this request's own output so far (made by a prefill
+        engine): its text continues after theirs, and a stop string may begin in them."""
         self._validate(request_id, prompt_token_ids, params)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise BadRequest(f"priority must be an int, got {priority!r}")
         if not isinstance(cache_salt, str):
             raise BadRequest(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        if not 0 <= prior_output < len(prompt_token_ids):
+            raise BadRequest(f"prior_output must be in 0..{len(prompt_token_ids) - 1}, "
+                             f"got {prior_output}")
         max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(self.device).manual_seed(params.seed)
+        detok = None
+        if self.tokenizer is not None:
+            replay = prompt_token_ids[len(prompt_token_ids) - prior_output:]
+            detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                replay=replay)
         req = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
             arrival=next(self._arrivals), max_len=max_len,
             eos_token_ids=self.eos_token_ids, priority=priority,
-            cache_salt=cache_salt, prefill_only=prefill_only, generator=gen)
+            cache_salt=cache_salt, prefill_only=prefill_only, hold=hold or prefill_only,
+            generator=gen, detok=detok)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -123,10 +143,10 @@ class Engine:
         return True
 
     def release(self, request_id: str) -> None:
-        """Free the pages a finished prefill_only request still holds."""
+        """Free the pages a finished held (prefill_only or ``hold``) request still has."""
         req = self.requests.get(request_id)
         if req is None or req.status != RequestStatus.HELD:
-            raise ValueError(f"request_id {request_id!r} is not a held prefill_only request")
+            raise ValueError(f"request_id {request_id!r} is not a finished held request")
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         del self.requests[request_id]
@@ -161,16 +181,23 @@ class Engine:
                 req.token_ids.append(token)
                 out.new_token_ids = [token]
                 out.logprobs = None if logprob is None else [logprob]
-                reason = "stop" if req.prefill_only else check_stop(req, self.tokenizer)
-                if reason is not None:
+                if req.detok is not None:
+                    req.detok.append(token)
+                reason = check_stop(req)
+                if reason is not None or req.prefill_only:
                     self._finish(req, reason, out)
+                elif req.detok is not None:
+                    out.text = req.detok.take()
             if out.new_token_ids or out.new_full_blocks or out.finished:
                 outputs.append(out)
         return outputs
 
-    def _finish(self, req: Request, reason: str, out: RequestOutput) -> None:
-        self.scheduler.finish(req, reason)
-        out.finished, out.finish_reason, out.stop_text = True, reason, req.stop_text
+    def _finish(self, req: Request, reason: str | None, out: RequestOutput) -> None:
+        """``reason`` None: a prefill_only request whose first token does not end it."""
+        self.scheduler.finish(req, reason or "stop")
+        out.finished, out.finish_reason = True, reason
+        if req.detok is not None:
+            out.text = req.detok.take() if reason is None else req.detok.finish()
         if req.status == RequestStatus.HELD:
             num_full = req.num_computed_tokens // self.kv.block_size
             out.block_hashes = req.block_hashes[:num_full]
@@ -179,6 +206,13 @@ class Engine:
             del self.requests[req.request_id]
 
     # -- KV block transfer ----------------------------------------------------------------
+
+    def page_of(self, block_hash: bytes, page_id: int) -> int | None:
+        """The page holding ``block_hash`` now: a page reported earlier may have been freed
+        (preemption) and reused since; then another page with those tokens' KV, or None."""
+        if not self.args.enable_prefix_caching:
+            return page_id
+        return self.kv.pool.lookup(block_hash)
 
     def export_blocks(self, page_ids: list[int], out: torch.Tensor) -> None:
         """Copy pages into ``out`` [n, layers, 2, block_size, kv_heads, head_dim]."""

@@ -167,9 +167,17 @@ class KvdClient:
         return CommitResult(r.num_duplicates, r.num_pushed, r.push_started, tuple(r.slots))
 
     async def lookup(self, hashes: Sequence[bytes]) -> int:
-        r = await self._stub.Lookup(kvd_pb2.LookupRequest(hashes=hashes),
+        """Length of the leading run of ``hashes`` present in this node's pool."""
+        return (await self.lookup_cluster(hashes, include_index=False))[0]
+
+    async def lookup_cluster(self, hashes: Sequence[bytes],
+                             include_index: bool = True) -> tuple[int, int]:
+        """(leading run here, leading run here or on one other node per the index): an
+        ``await_blocks`` without a source pulls the difference from that node."""
+        r = await self._stub.Lookup(kvd_pb2.LookupRequest(hashes=hashes,
+                                                          include_index=include_index),
                                     timeout=self._timeout, metadata=self._md)
-        return int(r.num_present)
+        return int(r.num_present), int(r.num_available or r.num_present)
 
     async def await_blocks(self, block_refs: Sequence[common_pb2.BlockRef],
                            source: common_pb2.KvdEndpoint | None = None,
