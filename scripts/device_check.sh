@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-device-check-out}}
-BUNDLE=.gpu-bundle
+BUNDLE=${PDSERVE_GPU_BUNDLE:-.gpu-bundle}
 SITE=${PDSERVE_GPU_SITE:-/tmp/pdserve-gpu-site}
 PY=${PYTHON:-python3}
 
@@ -35,8 +35,9 @@ export FLASHINFER_USE_CUDA_NORM=1
 # They include cuBLAS's and cuRAND's headers: the bundle's when the toolkit here lacks them.
 if [[ ! -f ${CUDA_HOME:-/usr/local/cuda}/include/cublasLt.h ||
       ! -f ${CUDA_HOME:-/usr/local/cuda}/include/curand_kernel.h ]]; then
-  export FLASHINFER_EXTRA_CUDAFLAGS="-isystem $PWD/$BUNDLE/cuda-include ${FLASHINFER_EXTRA_CUDAFLAGS:-}"
-  export FLASHINFER_EXTRA_CFLAGS="-isystem $PWD/$BUNDLE/cuda-include ${FLASHINFER_EXTRA_CFLAGS:-}"
+  INCLUDE=$(cd "$BUNDLE/cuda-include" && pwd)
+  export FLASHINFER_EXTRA_CUDAFLAGS="-isystem $INCLUDE ${FLASHINFER_EXTRA_CUDAFLAGS:-}"
+  export FLASHINFER_EXTRA_CFLAGS="-isystem $INCLUDE ${FLASHINFER_EXTRA_CFLAGS:-}"
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 "$PY" -m pdserve_bench.gpu --out "$OUT_DIR/device_check.json" 2>&1 | tee "$OUT_DIR/device_check.log"

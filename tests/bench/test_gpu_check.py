@@ -44,3 +44,15 @@ def test_without_a_gpu_it_says_to_use_smoke(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines()[-1] == (
         "python -m pdserve_bench.gpu: error: no CUDA device: run with --smoke for the CPU "
         "plumbing check")
+
+
+def test_device_check_without_its_bundle_says_how_to_build_it(tmp_path: Path) -> None:
+    import os
+
+    env = {**os.environ, "PDSERVE_GPU_BUNDLE": str(tmp_path / "none")}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == (f"device_check: {tmp_path / 'none'}/site.tar.xz is missing: run "
+                           "python scripts/gpu_bundle/build.py where PyPI is reachable, and "
+                           f"bring {tmp_path / 'none'} along\n")
