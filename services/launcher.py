@@ -27,6 +27,7 @@ from pathlib import Path
 
 from pdserve import env
 from pdserve.roles import Role
+from services.devices import engine_flags, parse_cpus, parse_devices, place
 from services.router.config import RouterConfig
 from services.router.policy import POLICIES
 from services.stack_secrets import StackSecrets
@@ -63,18 +64,6 @@ def start_redis(exe: str, host: str, port: int, password: str = "") -> subproces
     proc.kill()
     proc.wait()
     raise RuntimeError(f"private redis-server did not start on {host}:{port}")
-
-
-def parse_cpus(spec: str) -> list[set[int]]:
-    """``"0;1"`` -> [{0}, {1}]; ``"0-1"`` -> [{0, 1}]; one set per instance, cycled."""
-    groups: list[set[int]] = []
-    for group in filter(None, spec.split(";")):
-        cpus: set[int] = set()
-        for part in group.split(","):
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-        groups.append(cpus)
-    return groups
 
 
 @dataclass
@@ -147,6 +136,9 @@ def _module(name: str) -> list[str]:
 
 
 def _args(ns: argparse.Namespace) -> argparse.Namespace:
+    if len(parse_devices("--device", ns.device)) != 1:
+        raise SystemExit("pdserve up: error: --device: one device (per-engine lists are "
+                         "--prefill-devices and --decode-devices)")
     if ns.colocated:
         ns.prefill = 0
     elif ns.prefill < 1 or ns.decode < 1:
@@ -169,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys-file", default="", help="API keys file; none = loopback without auth")
     p.add_argument("--prefill-cpus", default="", help="CPU sets per prefill instance, e.g. '0;1'")
     p.add_argument("--decode-cpus", default="", help="CPU sets per decode/colocated instance")
+    p.add_argument("--device", default="cpu", help="device of every engine: cpu, cuda, cuda:N")
+    p.add_argument("--prefill-devices", default="",
+                   help="devices per prefill instance, cycled, e.g. 'cuda:0,cuda:1'")
+    p.add_argument("--decode-devices", default="", help="devices per decode/colocated instance")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.0,
+                   help="share of its GPU per engine; 0 = 0.9 split among the engines on it")
     p.add_argument("--kvd-capacity-mib", type=int, default=256, help="pool size of each kvd")
     p.add_argument("--engine-arg", action="append", default=[],
                    help="extra flag for every engine, e.g. --engine-arg=--max-num-seqs=32")
@@ -214,6 +212,12 @@ class Stack:
         ns = self.ns
         self.secrets.set_redis_url(self.redis_url)  # in the environment of who uses it
         prefill_cpus, decode_cpus = parse_cpus(ns.prefill_cpus), parse_cpus(ns.decode_cpus)
+        device_of = {Role.PREFILL: place(ns.device, parse_devices("--prefill-devices",
+                                                                  ns.prefill_devices), ns.prefill),
+                     Role.DECODE: place(ns.device, parse_devices("--decode-devices",
+                                                                 ns.decode_devices), ns.decode)}
+        placement = iter(engine_flags([*device_of[Role.PREFILL], *device_of[Role.DECODE]],
+                                      ns.gpu_memory_utilization))
         engines: dict[Role, list[str]] = {Role.PREFILL: [], Role.DECODE: []}
         roles = [(Role.PREFILL, ns.prefill, prefill_cpus),
                  (Role.DECODE, ns.decode, decode_cpus)]
@@ -231,7 +235,7 @@ class Stack:
                 eng = self._add(f"{role}-{i}", role,
                                 ["--model", ns.model, "--role", engine_role,
                                  "--instance-id", f"{role[0]}{i}", *kvd_flags, *threads,
-                                 *ns.engine_arg], cpu)
+                                 *next(placement), *ns.engine_arg], cpu)
                 engines[role].append(f"{ns.host}:{eng.port}")
         router = self._add("router", "router",
                            ["--model", ns.model, "--policy", ns.policy,

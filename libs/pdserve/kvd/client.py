@@ -133,6 +133,13 @@ class KvdClient:
         flat = torch.frombuffer(shm.buf, dtype=dtype, count=n, offset=offset)
         return flat.view(self.layout.shape)
 
+    @property
+    def mapped(self) -> memoryview:
+        """The whole mapped pool segment (an engine on CUDA registers it as pinned memory)."""
+        if self._shm is None or self._shm.buf is None:
+            raise ValueError("mapped: register() first; the pool is not mapped")
+        return self._shm.buf
+
     def slot_memory(self, slot: int) -> memoryview:
         """The slot's raw bytes (for checksums and byte-level copies)."""
         shm, info, offset = self._mapped(slot)
