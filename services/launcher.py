@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -352,14 +353,15 @@ def _banner(stack: Stack) -> None:
     if ns.prometheus_config:
         write_prometheus_config(ns.prometheus_config, stack)
         print(f"pdserve prometheus config: {ns.prometheus_config}")
+    python = shlex.quote(sys.executable)  # the one with pdserve (and openai) installed
     print(f"""
 Try it {auth}:
   curl {base}/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{ns.model}", "prompt": "Hello", "max_tokens": 16}}'
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='none'); \\
+  {python} -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='none'); \\
 print(c.completions.create(model='{ns.model}', prompt='Hello', max_tokens=16).choices[0].text)"
   {env.CLIENT_SECRET_VAR}_FILE={stack.secrets.directory / env.CLIENT_SECRET_VAR} \\
-  python -c "from pdserve.client import Client; \\
+  {python} -c "from pdserve.client import Client; \\
 print(Client('{stack.router_address}').generate('Hello', max_tokens=16).collect().text)"
 """)
     print(f"pdserve ready: {base}", flush=True)
