@@ -6,12 +6,14 @@ import asyncio
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
 import redis
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.hashing import block_checksum, hash_blocks
 from pdserve.index.redis_index import RedisPrefixIndex
@@ -23,9 +25,10 @@ from tests.kvd.conftest import BLOCK, ROOT, KvdProc, common_args
 Factory = tuple[str, list[KvdProc]]
 
 
-def start(factory: Factory, redis_url: str, *extra: str, node_id: str = "") -> KvdProc:
+def start(factory: Factory, redis_url: str, *extra: str, node_id: str = "",
+          log_level: str = "warning") -> KvdProc:
     prefix, procs = factory
-    p = KvdProc(*common_args(redis_url, prefix, *extra), node_id=node_id)
+    p = KvdProc(*common_args(redis_url, prefix, *extra), node_id=node_id, log_level=log_level)
     procs.append(p)
     return p
 
@@ -308,3 +311,40 @@ async def test_same_block_from_two_engines_with_other_low_bits_is_served(
     await cb.release([p.pin_id for p in got])
     await ca.close()
     await cb.close()
+
+
+def _lanes(metrics_text: str, peer: str) -> dict[str, float]:
+    """``pdserve_kvd_ucx_lanes`` samples towards ``peer``: transport/device -> lane count."""
+    out = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if s.name == "pdserve_kvd_ucx_lanes" and s.labels["peer"] == peer:
+                out[s.labels["transport"]] = s.value
+    return out
+
+
+@pytest.mark.parametrize("tls", ["^cma", "tcp"])
+async def test_ucx_reports_the_transports_it_uses(kvd_factory: Factory, redis_url: str,
+                                                  tls: str) -> None:
+    """UCX's own answer (ucp_ep_query), in kvd's metrics and log: on one host the default
+    (everything but CMA) takes shared memory; restricted to TCP, only tcp/lo lanes."""
+    a = start(kvd_factory, redis_url, "--ucx-tls", tls, "--metrics-port", "0",
+              node_id="lanes-a", log_level="info")
+    b = start(kvd_factory, redis_url, "--ucx-tls", tls, node_id="lanes-b")
+    ca, cb = await client(a), await client(b)
+    pins, hashes, sums = await write(ca, 3)
+    await ca.commit([CommitEntry(p, h) for p, h in zip(pins, hashes, strict=True)],
+                    destination=endpoint(b))
+    got = await cb.await_blocks(refs(hashes, sums), timeout=10)
+    await cb.release([p.pin_id for p in got])
+    assert a.metrics_port is not None
+    with urllib.request.urlopen(f"http://127.0.0.1:{a.metrics_port}/metrics") as resp:
+        lanes = _lanes(resp.read().decode(), "lanes-b")
+    if tls == "tcp":
+        assert set(lanes) == {"tcp/lo"}, lanes
+    else:
+        assert {"posix/memory", "sysv/memory"} & set(lanes), lanes
+    for c in (ca, cb):
+        await c.close()
+    log = a.stop()
+    assert "ucx endpoint" in log and "lanes-b" in log
