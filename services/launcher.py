@@ -13,6 +13,7 @@ reverse order.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,12 +42,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def start_redis(exe: str, host: str, port: int) -> subprocess.Popen[bytes]:
+def die_with_parent() -> None:
+    """In a child, before exec: SIGTERM it when its supervisor dies, even by SIGKILL
+    (PR_SET_PDEATHSIG; kept across exec, also through ``ip netns exec``)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def start_redis(exe: str, host: str, port: int, prefix: Sequence[str] = (),
+                password: str = "") -> subprocess.Popen[bytes]:
     """A private ``redis-server`` on ``host:port`` keeping nothing on disk, once it accepts
-    connections (RuntimeError if it does not within 10 s)."""
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", host, "--save", "",
-                             "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    connections (RuntimeError if it does not within 10 s). ``prefix`` runs it through another
+    command (``ip netns exec <ns>``); a ``password`` is required of clients (without one, Redis
+    accepts only loopback clients)."""
+    auth = ["--requirepass", password] if password else []
+    proc = subprocess.Popen([*prefix, exe, "--port", str(port), "--bind", host, "--save", "",
+                             "--appendonly", "no", *auth],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=die_with_parent)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -72,7 +85,8 @@ def parse_cpus(spec: str) -> list[set[int]]:
 
 @dataclass
 class Proc:
-    """One supervised child: its command, where it listens, and how often it was restarted."""
+    """One supervised child: its command, where it listens, and how often it was restarted.
+    It dies with its supervisor; with ``log_path`` its whole log is kept there too."""
 
     name: str
     args: list[str]
@@ -81,12 +95,14 @@ class Proc:
     popen: subprocess.Popen[str] | None = None
     restarts: int = 0
     log_tail: list[str] = field(default_factory=list)
+    log_path: Path | None = None
     _stderr_reader: threading.Thread | None = field(default=None, repr=False)
 
     def start(self, env: dict[str, str]) -> None:
         cpus = self.cpus
 
         def pin() -> None:
+            die_with_parent()
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
@@ -97,10 +113,17 @@ class Proc:
 
     def _drain_stderr(self) -> None:
         assert self.popen is not None and self.popen.stderr is not None
-        for line in self.popen.stderr:
-            self.log_tail = [*self.log_tail[-40:], line.rstrip()]
-            if env.up_verbose():
-                sys.stderr.write(f"[{self.name}] {line}")
+        log = self.log_path.open("a", buffering=1) if self.log_path is not None else None
+        try:
+            for line in self.popen.stderr:
+                self.log_tail = [*self.log_tail[-40:], line.rstrip()]
+                if log is not None:
+                    log.write(line)
+                if env.up_verbose():
+                    sys.stderr.write(f"[{self.name}] {line}")
+        finally:
+            if log is not None:
+                log.close()
 
     def wait_ready(self, timeout: float) -> None:
         assert self.popen is not None and self.popen.stdout is not None
