@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -49,6 +50,7 @@ class ClusterSpec:
     policy: str = "cache_aware"
     kvd_capacity_mib: int = 64
     ucx_tls: str = "^sm"  # network transports only, as between hosts
+    ucx_error_handling: bool = True  # as between hosts: a lost peer's endpoint closes at once
     transfer_timeout: float = 3.0  # kvd: a stalled transfer is abandoned after this
     kvd_heartbeat: float = 1.0  # kvd registry record lives 3 heartbeats
     threads: int = 1  # torch threads per engine
@@ -139,7 +141,9 @@ class NetnsCluster:
             for node in nodes:
                 kvds.append(self._add(f"kvd-{node}", node, "kvd", KVD_PORT, [
                     *redis, "--node-id", self.kvd_node_id(node), "--ucx-host", self.ip(node),
-                    "--ucx-tls", s.ucx_tls, "--capacity-mib", str(s.kvd_capacity_mib),
+                    "--ucx-tls", s.ucx_tls,
+                    "--ucx-error-handling", str(s.ucx_error_handling).lower(),
+                    "--capacity-mib", str(s.kvd_capacity_mib),
                     "--transfer-timeout", str(s.transfer_timeout),
                     "--heartbeat", str(s.kvd_heartbeat),
                     "--metrics-port", str(KVD_METRICS_PORT), *s.kvd_args]))
@@ -206,9 +210,19 @@ class NetnsCluster:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        """Stop every service (reverse order), Redis, then remove namespaces and links."""
-        for proc in reversed(list(self.procs.values())):
-            proc.stop(timeout=10)
+        """Stop every service (all at once: SIGTERM, then SIGKILL after 10 s), Redis, then
+        remove namespaces and links."""
+        live = [p.popen for p in self.procs.values()
+                if p.popen is not None and p.popen.poll() is None]
+        for popen in live:
+            popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for popen in live:
+            try:
+                popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait()
         if self.redis is not None and self.redis.poll() is None:
             self.redis.terminate()
             self.redis.wait(timeout=10)

@@ -158,7 +158,11 @@ class Netns:
     def create(self) -> None:
         """Bridge with the host's address, then one namespace + veth per node (loopback up)."""
         try:
-            ip("link", "add", self.bridge, "type", "bridge")
+            # A fixed MAC: a bridge that picks its ports' lowest changes it when a port goes
+            # (node loss), and every namespace's ARP entry for the host then points nowhere
+            # for ~30 s: the host's connections to the survivors hang.
+            mac = f"02:70:{':'.join(f'{b:02x}' for b in self.owner.to_bytes(4, 'big'))}"
+            ip("link", "add", self.bridge, "address", mac, "type", "bridge")
             ip("addr", "add", f"{self.host_ip}/24", "dev", self.bridge)
             ip("link", "set", self.bridge, "up")
             for node in self.nodes.values():

@@ -15,6 +15,10 @@ the default ``--ucx-tls ^cma`` because a CMA read from a peer that died aborts t
 posix/sysv shared memory does not. A lost peer is detected by the caller's watchdog instead
 (peer gRPC channel down, or no progress before the transfer deadline), which aborts the
 endpoint: that cancels every receive posted on it, so no late write can land in a reused slot.
+Between hosts turn error handling on (``--ucx-error-handling``; it costs nothing there, shared
+memory being out of reach anyway): without it the abort is a flush that waits for the peer, so
+a peer behind a partition stalls this kvd's loop until the link returns (found by the
+namespace cluster, ``pdserve_bench.cluster``); with it the endpoint is force-closed at once.
 
 Progress: one poller task spins the worker while transfers are active and resolves every
 posted request's future (``_reap``); between transfers the worker is armed and its epoll fd
