@@ -54,6 +54,8 @@ class ClusterSpec:
     transfer_timeout: float = 3.0  # kvd: a stalled transfer is abandoned after this
     kvd_heartbeat: float = 1.0  # kvd registry record lives 3 heartbeats
     threads: int = 1  # torch threads per engine
+    prefill_cpus: tuple[int, ...] = ()  # CPU set every prefill engine is pinned to; () = none
+    decode_cpus: tuple[int, ...] = ()
     engine_args: tuple[str, ...] = ()
     kvd_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
@@ -125,11 +127,12 @@ class NetnsCluster:
         return path.read_text() if path.exists() else ""
 
     # -- life ------------------------------------------------------------------------------
-    def _add(self, name: str, node: str, module: str, port: int, flags: Sequence[str]) -> Proc:
+    def _add(self, name: str, node: str, module: str, port: int, flags: Sequence[str],
+             cpus: Sequence[int] = ()) -> Proc:
         args = [*self.net[node].exec_args(), sys.executable, "-m", f"services.{module}",
                 "--host", self.ip(node), "--port", str(port), *flags]
         (self.log_dir / f"{name}.log").unlink(missing_ok=True)
-        proc = Proc(name, args, port, log_path=self.log_dir / f"{name}.log")
+        proc = Proc(name, args, port, set(cpus) or None, log_path=self.log_dir / f"{name}.log")
         self.procs[name] = proc
         return proc
 
@@ -137,7 +140,8 @@ class NetnsCluster:
         """The processes in start order: kvds, then engines, then router, then gateway."""
         s, redis = self.spec, ["--redis-url", self.redis_url]
         kvds, engines = [], []
-        for role, nodes in (("prefill", s.prefill_nodes), ("decode", s.decode_nodes)):
+        for role, nodes, cpus in (("prefill", s.prefill_nodes, s.prefill_cpus),
+                                  ("decode", s.decode_nodes, s.decode_cpus)):
             for node in nodes:
                 kvds.append(self._add(f"kvd-{node}", node, "kvd", KVD_PORT, [
                     *redis, "--node-id", self.kvd_node_id(node), "--ucx-host", self.ip(node),
@@ -150,7 +154,7 @@ class NetnsCluster:
                 engines.append(self._add(f"{role}-{node}", node, role, ENGINE_PORT, [
                     *redis, "--model", s.model, "--role", role, "--instance-id", node,
                     "--kvd", self.kvd_address(node), "--threads", str(s.threads),
-                    *s.engine_args]))
+                    *s.engine_args], cpus))
         router = self._add("router", FRONT, "router", ROUTER_PORT, [
             *redis, "--model", s.model, "--policy", s.policy,
             "--prefill", ",".join(self.engine_address(n) for n in s.prefill_nodes),

@@ -16,6 +16,7 @@ is reset), ``blackhole``/``unblackhole`` (one node loses its route to one addres
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -80,10 +81,8 @@ def _kill_netns_processes(netns: str) -> None:
         if not pids:
             return
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         time.sleep(0.05)
 
 

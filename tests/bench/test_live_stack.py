@@ -7,7 +7,7 @@ import asyncio
 import math
 from pathlib import Path
 
-from pdserve_bench.compare import _router_counters
+from pdserve_bench.compare import router_counters
 from pdserve_bench.configs import RunConfig
 from pdserve_bench.runner import LoadSettings, Target, run_load
 from pdserve_bench.stack import StackProcess
@@ -29,5 +29,5 @@ def test_short_run_against_pdserve_up(tmp_path: Path) -> None:
                             request_timeout_s=60)
         (run,) = run_load(Target(router=info.router), load)
         assert run.summary.num_errors == 0 and run.summary.num_ok == 4
-        counters = asyncio.run(_router_counters(info.router))
+        counters = asyncio.run(router_counters(info.router))
         assert counters["prompt_blocks"] > 0
