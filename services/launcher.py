@@ -13,62 +13,22 @@ reverse order.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve import env
+from pdserve.procs import Proc, free_port, start_redis
 from pdserve.roles import Role
 from services.router.config import RouterConfig
 from services.router.policy import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"pdserve (\w+) listening on (\S+):(\d+)")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def die_with_parent() -> None:
-    """In a child, before exec: SIGTERM it when its supervisor dies, even by SIGKILL
-    (PR_SET_PDEATHSIG; kept across exec, also through ``ip netns exec``)."""
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def start_redis(exe: str, host: str, port: int, prefix: Sequence[str] = (),
-                password: str = "") -> subprocess.Popen[bytes]:
-    """A private ``redis-server`` on ``host:port`` keeping nothing on disk, once it accepts
-    connections (RuntimeError if it does not within 10 s). ``prefix`` runs it through another
-    command (``ip netns exec <ns>``); a ``password`` is required of clients (without one, Redis
-    accepts only loopback clients)."""
-    auth = ["--requirepass", password] if password else []
-    proc = subprocess.Popen([*prefix, exe, "--port", str(port), "--bind", host, "--save", "",
-                             "--appendonly", "no", *auth],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=die_with_parent)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"private redis-server did not start on {host}:{port}")
 
 
 def parse_cpus(spec: str) -> list[set[int]]:
@@ -81,80 +41,6 @@ def parse_cpus(spec: str) -> list[set[int]]:
             cpus.update(range(int(lo), int(hi or lo) + 1))
         groups.append(cpus)
     return groups
-
-
-@dataclass
-class Proc:
-    """One supervised child: its command, where it listens, and how often it was restarted.
-    It dies with its supervisor; with ``log_path`` its whole log is kept there too."""
-
-    name: str
-    args: list[str]
-    port: int
-    cpus: set[int] | None = None
-    popen: subprocess.Popen[str] | None = None
-    restarts: int = 0
-    log_tail: list[str] = field(default_factory=list)
-    log_path: Path | None = None
-    _stderr_reader: threading.Thread | None = field(default=None, repr=False)
-
-    def start(self, env: dict[str, str]) -> None:
-        cpus = self.cpus
-
-        def pin() -> None:
-            die_with_parent()
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
-        self.popen = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, preexec_fn=pin)
-        self._stderr_reader = threading.Thread(target=self._drain_stderr, daemon=True)
-        self._stderr_reader.start()
-
-    def _drain_stderr(self) -> None:
-        assert self.popen is not None and self.popen.stderr is not None
-        log = self.log_path.open("a", buffering=1) if self.log_path is not None else None
-        try:
-            for line in self.popen.stderr:
-                self.log_tail = [*self.log_tail[-40:], line.rstrip()]
-                if log is not None:
-                    log.write(line)
-                if env.up_verbose():
-                    sys.stderr.write(f"[{self.name}] {line}")
-        finally:
-            if log is not None:
-                log.close()
-
-    def wait_ready(self, timeout: float) -> None:
-        assert self.popen is not None and self.popen.stdout is not None
-        deadline = time.monotonic() + timeout
-        result: list[str] = []
-        reader = threading.Thread(target=lambda: result.append(self.popen.stdout.readline()),  # type: ignore[union-attr]
-                                  daemon=True)
-        reader.start()
-        reader.join(max(0.0, deadline - time.monotonic()))
-        if not result or not READY.search(result[0]):
-            if self.popen.poll() is not None and self._stderr_reader is not None:
-                self._stderr_reader.join(timeout=2)  # died: let its last words reach the tail
-            tail = "\n  ".join(self.log_tail[-15:])
-            raise RuntimeError(f"{self.name} did not become ready (exit code "
-                               f"{self.popen.poll()}); its last log lines:\n  {tail}")
-        threading.Thread(target=self._drain_stdout, daemon=True).start()
-
-    def _drain_stdout(self) -> None:
-        assert self.popen is not None and self.popen.stdout is not None
-        for _ in self.popen.stdout:
-            pass
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
 
 
 def _module(name: str) -> list[str]:
@@ -220,7 +106,7 @@ class Stack:
              port: int | None = None) -> Proc:
         port = free_port(self.ns.host) if port is None else port
         args = [*_module(module), "--host", self.ns.host, "--port", str(port), *flags]
-        proc = Proc(name, args, port, cpus)
+        proc = Proc(name, args, port, cpus, cwd=ROOT)
         self.procs.append(proc)
         return proc
 

@@ -31,10 +31,11 @@ from pathlib import Path
 import grpc
 
 from pdserve.env import LOG_LEVEL_VAR, REDIS_URL_VAR
+from pdserve.procs import Proc, start_redis
 from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 from pdserve_bench.netns import Netns, remove_stale
-from services.launcher import ROOT, Proc, start_redis
 
+ROOT = Path(__file__).resolve().parents[2]  # where ``services`` is
 REDIS, FRONT = "redis", "front"
 KVD_PORT, KVD_METRICS_PORT, ENGINE_PORT = 50081, 9181, 50071
 ROUTER_PORT, HTTP_PORT, REDIS_PORT = 50051, 8000, 6379
@@ -132,7 +133,8 @@ class NetnsCluster:
         args = [*self.net[node].exec_args(), sys.executable, "-m", f"services.{module}",
                 "--host", self.ip(node), "--port", str(port), *flags]
         (self.log_dir / f"{name}.log").unlink(missing_ok=True)
-        proc = Proc(name, args, port, set(cpus) or None, log_path=self.log_dir / f"{name}.log")
+        proc = Proc(name, args, port, set(cpus) or None, log_path=self.log_dir / f"{name}.log",
+                    cwd=ROOT)
         self.procs[name] = proc
         return proc
 

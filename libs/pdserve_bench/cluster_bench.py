@@ -31,15 +31,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.env import LOG_LEVEL_VAR
 from pdserve.kvd.client import KvdClient
+from pdserve.procs import Proc, die_with_parent
 from pdserve.proto.v1 import common_pb2
-from pdserve_bench.cluster import ClusterSpec, NetnsCluster
+from pdserve_bench.cluster import ROOT, ClusterSpec, NetnsCluster
 from pdserve_bench.compare import router_counters, with_hit_rate
-from pdserve_bench.netns import NetNode, Netns, remove_stale, unavailable_reason
+from pdserve_bench.netns import NODE_DEVICE, NetNode, Netns, remove_stale, unavailable_reason
 from pdserve_bench.runner import LoadSettings, Target, run_load_async
 from pdserve_bench.serve import token_counter
 from pdserve_bench.transfer import LAYOUT, MIB, KvdPair
 from pdserve_bench.workload import PromptMaker, WorkloadSpec
-from services.launcher import ROOT, Proc, die_with_parent
 
 KVD_PORT, METRICS_PORT = 50081, 9181
 MULTITURN = {"turns": [3, 5], "first_turn_input": [128, 256], "turn_input": [16, 48],
@@ -76,7 +76,7 @@ def _kvd(node: NetNode, capacity_mib: int, log_dir: Path) -> Proc:
         "--port", str(KVD_PORT), "--node-id", f"node-{node.name}", "--ucx-host", node.ip,
         "--ucx-tls", "^sm", "--ucx-error-handling", "true", "--capacity-mib",
         str(capacity_mib), "--metrics-port", str(METRICS_PORT)], KVD_PORT,
-        log_path=log_dir / f"kvd-{node.name}.log")
+        log_path=log_dir / f"kvd-{node.name}.log", cwd=ROOT)
     proc.start(_env())
     return proc
 
@@ -119,10 +119,11 @@ def run_transfer(sizes: list[int], quick: bool, log_dir: Path) -> dict[str, Any]
     spec = ",".join(map(str, sizes))
     try:
         a, b = net["a"], net["b"]
-        recv = _peer(b, "ucx-recv", b.ip, spec, reps)
+        recv = _peer(b, "ucx-recv", NODE_DEVICE, spec, reps)
         procs.append(recv)
         assert recv.stdout is not None
-        ucx = _result(_peer(a, "ucx-send", recv.stdout.readline().strip(), a.ip, spec, reps))
+        ucx = _result(_peer(a, "ucx-send", recv.stdout.readline().strip(), NODE_DEVICE, spec,
+                            reps))
         sink = _peer(b, "grpc-sink", b.ip)
         procs.append(sink)
         assert sink.stdout is not None

@@ -2,14 +2,14 @@
 
     python -m pdserve_bench.cluster_peers grpc-sink HOST
     python -m pdserve_bench.cluster_peers grpc-source ADDRESS SIZES_MIB REPS
-    python -m pdserve_bench.cluster_peers ucx-recv HOST SIZES_MIB REPS
-    python -m pdserve_bench.cluster_peers ucx-send ADDRESS_HEX HOST SIZES_MIB REPS
+    python -m pdserve_bench.cluster_peers ucx-recv DEVICE SIZES_MIB REPS
+    python -m pdserve_bench.cluster_peers ucx-send ADDRESS_HEX DEVICE SIZES_MIB REPS
 
 A sink and a receiver print one line when ready (the sink its port, the receiver its UCX
 worker address in hex); a source and a sender print one JSON object: size in MiB -> GB/s,
 the median over ``REPS`` runs. gRPC: 1 MiB messages in one client stream, timed until the
 sink's reply. Raw ucxx: one tag message per run, timed until the receiver's 8-byte
-acknowledgement; UCX is restricted to network transports (``^sm``) on HOST's interface.
+acknowledgement; UCX is restricted to network transports (``^sm``) on network DEVICE.
 """
 
 from __future__ import annotations
@@ -68,20 +68,18 @@ async def grpc_source(address: str, sizes: list[int], reps: int) -> dict[int, fl
     return out
 
 
-def _ucx_init(host: str) -> Any:
-    from services.kvd.transfer import net_device_for
-
+def _ucx_init(device: str) -> Any:
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
 
-    ucxx.init(options={"TLS": "^sm", "NET_DEVICES": net_device_for(host)})
+    ucxx.init(options={"TLS": "^sm", "NET_DEVICES": device})
     return ucxx
 
 
-async def ucx_recv(host: str, sizes: list[int], reps: int) -> None:
+async def ucx_recv(device: str, sizes: list[int], reps: int) -> None:
     import numpy as np
 
-    ux = _ucx_init(host)
+    ux = _ucx_init(device)
     print(ux.get_worker_address().tobytes().hex(), flush=True)
     hello = np.empty(4096, np.uint8)
     await ux.recv(hello, tag=_HELLO)
@@ -99,10 +97,11 @@ async def ucx_recv(host: str, sizes: list[int], reps: int) -> None:
     await ep.close()
 
 
-async def ucx_send(address: str, host: str, sizes: list[int], reps: int) -> dict[int, float]:
+async def ucx_send(address: str, device: str, sizes: list[int], reps: int
+                   ) -> dict[int, float]:
     import numpy as np
 
-    ux = _ucx_init(host)
+    ux = _ucx_init(device)
     peer = ux.get_ucx_address_from_buffer(bytes.fromhex(address))
     ep = await ux.create_endpoint_from_worker_address(peer)
     me = ux.get_worker_address().tobytes()

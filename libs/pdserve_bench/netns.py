@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 PREFIX = "pdcl"
 SUBNET_BASE = "10.220"
+NODE_DEVICE = "eth0"  # each node's end of its link, inside its namespace
 _OWNED = re.compile(rf"^{PREFIX}(\d+)(?:-|br$|v\d+$|pb$)")
 
 
@@ -166,11 +167,11 @@ class Netns:
             ip("link", "set", self.bridge, "up")
             for node in self.nodes.values():
                 ip("netns", "add", node.netns)
-                ip("link", "add", node.veth, "type", "veth", "peer", "name", "eth0",
+                ip("link", "add", node.veth, "type", "veth", "peer", "name", NODE_DEVICE,
                    "netns", node.netns)
                 ip("link", "set", node.veth, "master", self.bridge, "up")
-                ip("-n", node.netns, "addr", "add", f"{node.ip}/24", "dev", "eth0")
-                ip("-n", node.netns, "link", "set", "eth0", "up")
+                ip("-n", node.netns, "addr", "add", f"{node.ip}/24", "dev", NODE_DEVICE)
+                ip("-n", node.netns, "link", "set", NODE_DEVICE, "up")
                 ip("-n", node.netns, "link", "set", "lo", "up")
         except BaseException:
             self.close()

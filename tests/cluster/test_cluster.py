@@ -15,6 +15,9 @@ Defined outcomes, each asserted below:
 - Redis unreachable from one node only: requests are served as before (Redis is soft state);
   that node's kvd reports the index unavailable and its blocks drop out of lookups; when the
   route returns they are re-learned.
+- the decode node partitioned while it streams an answer: the router's keepalive pings find
+  the connection dead, the client has the tokens so far and a clear error within seconds; new
+  requests fail fast while no decode node is reachable; the node rejoins when the link returns.
 The tests share one cluster and run in file order; node loss comes last.
 """
 
@@ -27,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 import openai
-import redis
+import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -111,15 +114,6 @@ def indexed_nodes(cluster: NetnsCluster, hashes: list[bytes]) -> set[str]:
     return set(asyncio.run(lookup()))
 
 
-def blocks_added_by(cluster: NetnsCluster, node: str) -> list[bytes]:
-    r = redis.Redis.from_url(cluster.redis_url)
-    try:
-        members = r.smembers(f"pdserve:nodeblk:{cluster.kvd_node_id(node)}")
-    finally:
-        r.close()
-    return [bytes.fromhex(m.decode()) for m in members]  # type: ignore[union-attr]
-
-
 def nothing_held(cluster: NetnsCluster) -> bool:
     """No kvd pin, no slot in flight or being written, no engine block in use, anywhere."""
     for node in cluster.nodes:
@@ -131,41 +125,56 @@ def nothing_held(cluster: NetnsCluster) -> bool:
     return True
 
 
-def ships_over_ucx(cluster: NetnsCluster, llm: LLM, src: str, dst: str) -> None:
-    """Blocks written on ``src``'s kvd, committed with ``dst`` as destination, arrive at
-    ``dst`` bit-exact: the kvd -> kvd data path between the two nodes works."""
+def put_blocks(cluster: NetnsCluster, llm: LLM, src: str, dst: str | None = None,
+               n: int = 3) -> list[bytes]:
+    """``n`` fresh blocks written on ``src``'s kvd and committed (their hashes); with ``dst``,
+    pushed there and checked to arrive bit-exact over the kvd -> kvd data path."""
     cfg = llm.engine.config
     layout = BlockLayout(cfg.num_layers, llm.engine.kv.block_size, cfg.num_kv_heads,
                          cfg.head_dim, DTYPE_NAMES[cfg.dtype], cfg.fingerprint)
 
-    async def go() -> None:
+    async def go() -> list[bytes]:
         a = KvdClient(cluster.kvd_address(src), f"test-{src}")
-        b = KvdClient(cluster.kvd_address(dst), f"test-{dst}")
+        b = KvdClient(cluster.kvd_address(dst), f"test-{dst}") if dst else None
         try:
             await a.register(layout)
-            await b.register(layout)
-            pins = await a.allocate(3)
+            pins = await a.allocate(n)
             for p in pins:
                 view = a.slot_view(p.slot)
                 view.copy_(torch.randn(view.shape).to(view.dtype))
             want = [bytes(a.slot_memory(p.slot)) for p in pins]
             sums = [block_checksum(a.slot_memory(p.slot)) for p in pins]
             hashes = [time.time_ns().to_bytes(16, "big") + i.to_bytes(16, "big")
-                      for i in range(3)]
-            dest = common_pb2.KvdEndpoint(node_id=cluster.kvd_node_id(dst),
-                                          address=cluster.kvd_address(dst))
+                      for i in range(n)]
+            dest = (common_pb2.KvdEndpoint(node_id=cluster.kvd_node_id(dst),
+                                           address=cluster.kvd_address(dst)) if dst else None)
             await a.commit([CommitEntry(p, h) for p, h in zip(pins, hashes, strict=True)],
                            dest, release=True)
-            refs = [common_pb2.BlockRef(hash=h, checksum=s)
-                    for h, s in zip(hashes, sums, strict=True)]
-            got = await b.await_blocks(refs, timeout=10)
-            assert [bytes(b.slot_memory(p.slot)) for p in got] == want
-            await b.release([p.pin_id for p in got])
+            if b is not None:
+                await b.register(layout)
+                refs = [common_pb2.BlockRef(hash=h, checksum=s)
+                        for h, s in zip(hashes, sums, strict=True)]
+                got = await b.await_blocks(refs, timeout=10)
+                assert [bytes(b.slot_memory(p.slot)) for p in got] == want
+                await b.release([p.pin_id for p in got])
+            return hashes
         finally:
             await a.close()
-            await b.close()
+            if b is not None:
+                await b.close()
 
-    asyncio.run(go())
+    return asyncio.run(go())
+
+
+def indexed_blocks(cluster: NetnsCluster, llm: LLM) -> dict[str, list[bytes]]:
+    """Fresh blocks on every prefill node's kvd, once the index answers that it holds them."""
+    out = {}
+    for node in SPEC.prefill_nodes:
+        hashes = put_blocks(cluster, llm, node)
+        eventually(lambda n=node, h=hashes: cluster.kvd_node_id(n) in indexed_nodes(cluster, h),
+                   10, f"{node}'s blocks in the index")
+        out[node] = hashes
+    return out
 
 
 def lanes(cluster: NetnsCluster, node: str) -> dict[tuple[str, str], float]:
@@ -201,11 +210,8 @@ def test_three_nodes_serve_the_reference_text_over_tcp(cluster: NetnsCluster,
 
 
 def test_redis_unreachable_from_one_node(cluster: NetnsCluster, llm: LLM) -> None:
-    holders = [n for n in SPEC.prefill_nodes if kvd_stats(cluster, n).slots_present > 0]
-    assert holders, "the first test left blocks on a prefill node"
-    node, node_id = holders[0], cluster.kvd_node_id(holders[0])
-    held = blocks_added_by(cluster, node)
-    assert node_id in indexed_nodes(cluster, held)
+    node, node_id = "p0", cluster.kvd_node_id("p0")
+    held = indexed_blocks(cluster, llm)[node]
     cluster.net.blackhole(node, cluster.ip(REDIS))
     try:
         eventually(lambda: not kvd_stats(cluster, node).index_available, 10,
@@ -228,10 +234,11 @@ def test_redis_unreachable_from_one_node(cluster: NetnsCluster, llm: LLM) -> Non
 def test_partition_mid_transfer_fails_over_and_leaks_nothing(cluster: NetnsCluster,
                                                              llm: LLM) -> None:
     prompt = "A partition cuts this transfer short. " * 6
+    held_by = indexed_blocks(cluster, llm)
     victim = Background()
     thread = victim.run(cluster, prompt)
     node = sender_mid_transfer(cluster)
-    other = next(n for n in SPEC.prefill_nodes if n != node)
+    other, held = next(n for n in SPEC.prefill_nodes if n != node), held_by[node]
     cluster.net.link_down(node)
     down = time.monotonic()
     try:
@@ -242,28 +249,66 @@ def test_partition_mid_transfer_fails_over_and_leaks_nothing(cluster: NetnsClust
         eventually(lambda: node not in cluster.healthy(), 10, f"the router dropping {node}")
         during = "Served while a node is cut off. " * 4
         assert complete(cluster, during) == reference(llm, during)
-        held = blocks_added_by(cluster, node)
         eventually(lambda: cluster.kvd_node_id(node) not in indexed_nodes(cluster, held), 10,
                    f"the index dropping the partitioned {node}'s blocks")
     finally:
         cluster.net.link_up(node)
     cluster.wait_routable(15)
-    eventually(lambda: cluster.kvd_node_id(node) in indexed_nodes(cluster, held), 10,
+    eventually(lambda: cluster.kvd_node_id(node) in indexed_nodes(cluster, held), 15,
                f"the index re-learning {node}'s blocks")
     eventually(lambda: nothing_held(cluster), 10, "every pin released after the partition")
     # no restart: the healed node's kvd ships to the decode node over a new UCX endpoint
-    ships_over_ucx(cluster, llm, node, "d0")
-    ships_over_ucx(cluster, llm, other, "d0")
+    put_blocks(cluster, llm, node, "d0")
+    put_blocks(cluster, llm, other, "d0")
     assert complete(cluster, prompt) == reference(llm, prompt)
     eventually(lambda: nothing_held(cluster), 10, "every pin released")
 
 
+def test_decode_node_partitioned_mid_stream_fails_fast(cluster: NetnsCluster,
+                                                        llm: LLM) -> None:
+    """The router's keepalive finds the stream's connection dead: the client gets the tokens
+    so far and a clear error in seconds, not at its deadline; the node rejoins afterwards."""
+    chunks: list[str] = []
+    failure: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            for c in client(cluster).completions.create(
+                    model="tiny", prompt="Stream a long answer. " * 4, max_tokens=400,
+                    temperature=0, stream=True):
+                chunks.append(c.choices[0].text if c.choices else "")
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            failure.append(exc)
+
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    eventually(lambda: len(chunks) >= 3, 20, "the answer streaming")
+    cluster.net.link_down("d0")
+    down = time.monotonic()
+    try:
+        thread.join(20)
+        assert failure, "the stream neither failed nor ended while its decode node was cut off"
+        assert time.monotonic() - down < 10
+        assert "decode on d0 failed after" in str(failure[0])
+        eventually(lambda: "d0" not in cluster.healthy(), 10, "the router dropping d0")
+        with pytest.raises(openai.APIError) as err:  # no decode node left: a fast, clear error
+            complete(cluster, "Nowhere to decode. " * 4)
+        assert "no capacity" in str(err.value)
+    finally:
+        cluster.net.link_up("d0")
+    cluster.wait_routable(15)
+    prompt = "Back on the network. " * 4
+    assert complete(cluster, prompt) == reference(llm, prompt)
+    eventually(lambda: nothing_held(cluster), 15, "every pin and engine block released")
+
+
 def test_node_loss_is_routed_around_within_10s(cluster: NetnsCluster, llm: LLM) -> None:
     prompt = "This node will not come back. " * 6
+    held_by = indexed_blocks(cluster, llm)
     victim = Background()
     thread = victim.run(cluster, prompt)
     node = sender_mid_transfer(cluster)
-    held = blocks_added_by(cluster, node)
+    held = held_by[node]
     cluster.net.destroy(node)
     lost = time.monotonic()
     thread.join(30)

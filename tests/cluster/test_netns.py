@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _OWNER = """
 import os, subprocess, sys, time
 from pdserve_bench.netns import Netns
-from services.launcher import Proc
+from pdserve.procs import Proc
 net = Netns(["a", "b"])
 net.create()
 child = Proc("child", [*net["a"].exec_args(), sys.executable, "-c",
