@@ -68,9 +68,10 @@ def _bench(argv: list[str]) -> int:
         return 2
     if name == "all":
         # `make bench`: every benchmark, each printing its table and JSON.
-        for bench in ("engine", "transfer", "router", "compare"):
+        args = {"compare": rest, "cluster": ["--json", "--skip-unavailable"]}
+        for bench in ("engine", "transfer", "router", "compare", "cluster"):
             print(f"== pdserve bench {bench}", flush=True)
-            code = _load(BENCHMARKS[bench])(rest if bench == "compare" else ["--json"])
+            code = _load(BENCHMARKS[bench])(args.get(bench, ["--json"]))
             if code != 0:
                 return code
         return 0

@@ -73,3 +73,17 @@ def test_close_removes_everything_and_live_runs_are_not_stale() -> None:
         net.close()
     time.sleep(0.1)
     assert net.leftovers() == []
+
+
+def test_bench_cluster_transfer_moves_every_path_over_tcp(tmp_path: Path) -> None:
+    """``pdserve bench cluster``'s transfer part, tiny batches: every path delivers, UCX says
+    TCP on the namespace's link; nothing of the run is left behind."""
+    from pdserve_bench.cluster_bench import run_transfer
+
+    result = run_transfer([1, 4], True, tmp_path)
+    assert result["ucx_lanes"] == ["tcp/eth0"]
+    assert [r["batch_bytes"] for r in result["rows"]] == [1 << 20, 4 << 20]
+    for row in result["rows"]:
+        for key in ("ucx_gbps", "grpc_gbps", "kvd_gbps", "e2e_gbps"):
+            assert row[key] > 0, (key, row)
+    assert [n for n in netns._netns_names() if n.startswith(f"{netns.PREFIX}{os.getpid()}-")] == []
