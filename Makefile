@@ -5,10 +5,17 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STUBS := libs/pdserve/proto/v1/__init__.py
 PROTOS := $(wildcard protos/pdserve/v1/*.proto)
+# buf (npm @bufbuild/buf, pinned in package-lock.json) checks the contracts in `make lint`.
+BUF := node_modules/.bin/buf
+BUF_STAMP := node_modules/.installed
+# `buf breaking` compares protos/ with the released v1 contracts: a buf image committed in the
+# repo (works offline, in any clone, shallow ones too). Refresh it at a release with
+# `make proto-baseline`. Any buf input can stand in: BUF_AGAINST='.git#tag=v1.0.0,subdir=protos'.
+BUF_AGAINST ?= protos/v1-baseline.json
 
-.PHONY: setup protos run test lint bench clean
+.PHONY: setup protos proto-baseline run test lint bench clean gpu-bundle device-check
 
-setup: .setup-stamp $(STUBS)
+setup: .setup-stamp $(STUBS) $(BUF_STAMP)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +29,15 @@ $(PY):
 protos $(STUBS): $(PROTOS) scripts/gen_protos.py | .setup-stamp
 	$(PY) scripts/gen_protos.py
 
+$(BUF_STAMP): package.json package-lock.json
+	npm ci --no-audit --no-fund
+	touch $@
+
+# The contracts as released, for `buf breaking` (run at a release, then commit the file).
+proto-baseline: $(BUF_STAMP) | .setup-stamp
+	$(BUF) build --exclude-source-info -o '-#format=json' | $(PY) -m json.tool --indent 1 \
+		> protos/v1-baseline.json
+
 run: setup
 	$(VENV)/bin/pdserve up --model tiny --prefill 1 --decode 1
 
@@ -31,9 +47,20 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check libs services tests scripts
 	$(VENV)/bin/mypy libs/pdserve libs/pdserve_bench services
+	$(BUF) lint
+	$(BUF) breaking --against '$(BUF_AGAINST)'
 
 bench: setup
 	$(VENV)/bin/pdserve bench all
 
+# The device check (docs/benchmarks.md): build the bundle where PyPI is reachable, then run
+# `make device-check` (or scripts/device_check.sh) on the GPU machine.
+gpu-bundle: setup
+	$(PY) scripts/gpu_bundle/build.py
+
+device-check:
+	scripts/device_check.sh
+
 clean:
-	rm -rf $(VENV) .setup-stamp libs/pdserve/proto/v1 build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .setup-stamp .gpu-bundle device-check-out libs/pdserve/proto/v1 build *.egg-info \
+		.pytest_cache .mypy_cache .ruff_cache node_modules

@@ -25,22 +25,12 @@ from pathlib import Path
 from pdserve import env
 from pdserve.procs import Proc, free_port, start_redis
 from pdserve.roles import Role
+from services.devices import engine_flags, parse_cpus, parse_devices, place
 from services.router.config import RouterConfig
 from services.router.policy import POLICIES
+from services.stack_secrets import StackSecrets
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def parse_cpus(spec: str) -> list[set[int]]:
-    """``"0;1"`` -> [{0}, {1}]; ``"0-1"`` -> [{0, 1}]; one set per instance, cycled."""
-    groups: list[set[int]] = []
-    for group in filter(None, spec.split(";")):
-        cpus: set[int] = set()
-        for part in group.split(","):
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-        groups.append(cpus)
-    return groups
 
 
 def _module(name: str) -> list[str]:
@@ -48,6 +38,9 @@ def _module(name: str) -> list[str]:
 
 
 def _args(ns: argparse.Namespace) -> argparse.Namespace:
+    if len(parse_devices("--device", ns.device)) != 1:
+        raise SystemExit("pdserve up: error: --device: one device (per-engine lists are "
+                         "--prefill-devices and --decode-devices)")
     if ns.colocated:
         ns.prefill = 0
     elif ns.prefill < 1 or ns.decode < 1:
@@ -70,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys-file", default="", help="API keys file; none = loopback without auth")
     p.add_argument("--prefill-cpus", default="", help="CPU sets per prefill instance, e.g. '0;1'")
     p.add_argument("--decode-cpus", default="", help="CPU sets per decode/colocated instance")
+    p.add_argument("--device", default="cpu", help="device of every engine: cpu, cuda, cuda:N")
+    p.add_argument("--prefill-devices", default="",
+                   help="devices per prefill instance, cycled, e.g. 'cuda:0,cuda:1'")
+    p.add_argument("--decode-devices", default="", help="devices per decode/colocated instance")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.0,
+                   help="share of its GPU per engine; 0 = 0.9 split among the engines on it")
     p.add_argument("--kvd-capacity-mib", type=int, default=256, help="pool size of each kvd")
     p.add_argument("--engine-arg", action="append", default=[],
                    help="extra flag for every engine, e.g. --engine-arg=--max-num-seqs=32")
@@ -87,6 +86,7 @@ class Stack:
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}",
                     "PYTHONUNBUFFERED": "1", "UCXPY_PROGRESS_MODE": "blocking"}
         self.redis_url = os.environ.get(env.REDIS_URL_VAR, "")
+        self.secrets = StackSecrets(os.environ)
         self.redis: subprocess.Popen[bytes] | None = None
         self.stopping = threading.Event()
 
@@ -99,20 +99,27 @@ class Stack:
                   "prefix index (install redis-server for cache-aware routing)", file=sys.stderr)
             return
         port = free_port(self.ns.host)
-        self.redis = start_redis(exe, self.ns.host, port)
-        self.redis_url = f"redis://{self.ns.host}:{port}/0"
+        self.redis = start_redis(exe, self.ns.host, port, self.secrets.redis_password)
+        self.redis_url = self.secrets.private_redis_url(self.ns.host, port)
 
     def _add(self, name: str, module: str, flags: list[str], cpus: set[int] | None = None,
              port: int | None = None) -> Proc:
         port = free_port(self.ns.host) if port is None else port
         args = [*_module(module), "--host", self.ns.host, "--port", str(port), *flags]
-        proc = Proc(name, args, port, cpus, cwd=ROOT)
+        proc = Proc(name, args, port, cpus, self.secrets.env_for(module, self.env), cwd=ROOT)
         self.procs.append(proc)
         return proc
 
     def plan(self) -> None:
-        ns, redis = self.ns, ["--redis-url", self.redis_url] if self.redis_url else []
+        ns = self.ns
+        self.secrets.set_redis_url(self.redis_url)  # in the environment of who uses it
         prefill_cpus, decode_cpus = parse_cpus(ns.prefill_cpus), parse_cpus(ns.decode_cpus)
+        device_of = {Role.PREFILL: place(ns.device, parse_devices("--prefill-devices",
+                                                                  ns.prefill_devices), ns.prefill),
+                     Role.DECODE: place(ns.device, parse_devices("--decode-devices",
+                                                                 ns.decode_devices), ns.decode)}
+        placement = iter(engine_flags([*device_of[Role.PREFILL], *device_of[Role.DECODE]],
+                                      ns.gpu_memory_utilization))
         engines: dict[Role, list[str]] = {Role.PREFILL: [], Role.DECODE: []}
         roles = [(Role.PREFILL, ns.prefill, prefill_cpus),
                  (Role.DECODE, ns.decode, decode_cpus)]
@@ -123,17 +130,17 @@ class Stack:
                 kvd_flags: list[str] = []
                 if not ns.colocated:
                     kvd = self._add(f"kvd-{role[0]}{i}", "kvd",
-                                    [*redis, "--node-id", f"node-{role[0]}{i}",
+                                    ["--node-id", f"node-{role[0]}{i}",
                                      "--capacity-mib", str(ns.kvd_capacity_mib)])
                     kvd_flags = ["--kvd", f"{ns.host}:{kvd.port}"]
                 engine_role = Role.COLOCATED if ns.colocated else role
                 eng = self._add(f"{role}-{i}", role,
                                 ["--model", ns.model, "--role", engine_role,
-                                 "--instance-id", f"{role[0]}{i}", *kvd_flags, *redis, *threads,
-                                 *ns.engine_arg], cpu)
+                                 "--instance-id", f"{role[0]}{i}", *kvd_flags, *threads,
+                                 *next(placement), *ns.engine_arg], cpu)
                 engines[role].append(f"{ns.host}:{eng.port}")
         router = self._add("router", "router",
-                           [*redis, "--model", ns.model, "--policy", ns.policy,
+                           ["--model", ns.model, "--policy", ns.policy,
                             "--prefill", ",".join(engines[Role.PREFILL]),
                             "--decode", ",".join(engines[Role.DECODE])])
         self.router_address = f"{ns.host}:{router.port}"
@@ -147,7 +154,7 @@ class Stack:
         self._start_redis()
         self.plan()
         for proc in self.procs:
-            proc.start(self.env)
+            proc.start(proc.env)
             proc.wait_ready(self.ns.ready_timeout)
             print(f"  {proc.name:12s} {self.ns.host}:{proc.port}", flush=True)
 
@@ -166,7 +173,7 @@ class Stack:
                     continue
                 proc.restarts += 1
                 time.sleep(min(5.0, 0.5 * proc.restarts))
-                proc.start(self.env)
+                proc.start(proc.env)
                 try:
                     proc.wait_ready(self.ns.ready_timeout)
                     print(f"pdserve up: {proc.name} restarted on {self.ns.host}:{proc.port}",
@@ -181,6 +188,12 @@ class Stack:
         if self.redis is not None:
             self.redis.terminate()
             self.redis.wait(timeout=10)
+        self.secrets.remove()
+
+
+def _without_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
 
 
 def _banner(stack: Stack) -> None:
@@ -188,13 +201,17 @@ def _banner(stack: Stack) -> None:
     base = f"http://{ns.host}:{stack.gateway.port}/v1"
     auth = "" if ns.keys_file else "(no API keys: loopback only, without auth)"
     print(f"pdserve router: {stack.router_address}")
-    print(f"pdserve redis: {stack.redis_url or 'none'}")
+    print(f"pdserve redis: {_without_password(stack.redis_url) or 'none'}")
+    print(f"pdserve secrets: {stack.secrets.directory}")
     print(f"""
 Try it {auth}:
   curl {base}/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{ns.model}", "prompt": "Hello", "max_tokens": 16}}'
   python -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='none'); \\
 print(c.completions.create(model='{ns.model}', prompt='Hello', max_tokens=16).choices[0].text)"
+  {env.CLIENT_SECRET_VAR}_FILE={stack.secrets.directory / env.CLIENT_SECRET_VAR} \\
+  python -c "from pdserve.client import Client; \\
+print(Client('{stack.router_address}').generate('Hello', max_tokens=16).collect().text)"
 """)
     print(f"pdserve ready: {base}", flush=True)
 

@@ -1,11 +1,14 @@
-"""What every pdserve gRPC endpoint agrees on: message limits, and the metadata key that
-carries the shared secret. Servers and clients both take their options from here."""
+"""What every pdserve gRPC endpoint agrees on: message limits; and the channels pdserve's own
+processes open, presenting the caller's credentials (``pdserve.auth``) on every call."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 
-SECRET_KEY = "x-pdserve-secret"
+from pdserve.auth import presenters
+
 GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -24,6 +27,10 @@ KEEPALIVE_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0))
 
 
-def insecure_channel(address: str, *extra: tuple[str, int]) -> grpc.aio.Channel:
-    """A ``grpc.aio`` channel with pdserve's options (``extra`` added or overriding)."""
-    return grpc.aio.insecure_channel(address, options=[*GRPC_OPTIONS, *extra])
+def insecure_channel(address: str, *extra: tuple[str, int],
+                     credentials: Sequence[tuple[str, str]] = ()) -> grpc.aio.Channel:
+    """A ``grpc.aio`` channel with pdserve's options (``extra`` added or overriding) that
+    sends ``credentials`` (metadata pairs, ``pdserve.auth.metadata``) with every call."""
+    interceptors = presenters(credentials) if credentials else None
+    return grpc.aio.insecure_channel(address, options=[*GRPC_OPTIONS, *extra],
+                                     interceptors=interceptors)

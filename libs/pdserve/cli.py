@@ -2,7 +2,7 @@
 
     pdserve up         the local stack (Redis, kvd, engines, router, gateway)
     pdserve generate   offline generation with the built-in or a local model
-    pdserve bench X    benchmarks: engine, transfer, router, serve, compare, cluster, all
+    pdserve bench X    benchmarks: engine, transfer, router, serve, compare, detok, cluster, all
     pdserve <service>  one service: gateway, router, prefill, decode, kvd
     pdserve env        every PDSERVE_* variable and what it accepts
 """
@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, str] = {
     "router": "pdserve_bench.router:main",
     "serve": "pdserve_bench.serve:main",
     "compare": "pdserve_bench.compare:main",
+    "detok": "pdserve_bench.detok:main",
     "cluster": "pdserve_bench.cluster_bench:main",
 }
 # Whose settings ``pdserve env`` lists.

@@ -7,10 +7,15 @@ their ``SamplingParams`` with it. Errors are ``BadRequest`` naming the proto fie
 
 from __future__ import annotations
 
-from pdserve.engine.request import Logprob
+from typing import TYPE_CHECKING
+
 from pdserve.errors import BadRequest
 from pdserve.proto.v1 import common_pb2
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the router imports this module and must not pay for torch
+    from pdserve.engine.request import Logprob
+    from pdserve.tokenizer import Tokenizer
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -45,10 +50,19 @@ def sampling_from_proto(sp: common_pb2.SamplingParams, default_max_tokens: int,
         raise BadRequest(f"sampling.{exc.message}") from exc
 
 
-def logprobs_to_proto(token_id: int, lp: Logprob) -> common_pb2.PositionLogprobs:
-    return common_pb2.PositionLogprobs(
-        sampled=common_pb2.TokenLogprob(token_id=token_id, logprob=lp.logprob),
-        top=[common_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top])
+def logprobs_to_proto(token_id: int, lp: Logprob,
+                      tokenizer: Tokenizer | None) -> common_pb2.PositionLogprobs:
+    """The sampled token and its alternatives, each with its own text and bytes."""
+
+    def entry(tid: int, logprob: float) -> common_pb2.TokenLogprob:
+        if tokenizer is None:
+            return common_pb2.TokenLogprob(token_id=tid, logprob=logprob)
+        raw = tokenizer.token_bytes(tid)
+        return common_pb2.TokenLogprob(token_id=tid, logprob=logprob, token_bytes=raw,
+                                       token=raw.decode("utf-8", errors="replace"))
+
+    return common_pb2.PositionLogprobs(sampled=entry(token_id, lp.logprob),
+                                       top=[entry(t, v) for t, v in lp.top])
 
 
 def finish_to_proto(reason: str | None) -> common_pb2.FinishReason:

@@ -220,6 +220,12 @@ OTEL_ENDPOINT_VAR = "PDSERVE_OTEL_ENDPOINT"  # OTLP/gRPC collector; unset = trac
 PROFILE_DIR_VAR = "PDSERVE_PROFILE_DIR"  # write a cProfile file per process here on exit
 UP_VERBOSE_VAR = "PDSERVE_UP_VERBOSE"  # pdserve up: pass every service's log lines through
 REDIS_URL_VAR = "REDIS_URL"  # the services' --redis-url; pdserve up uses it instead of its own
+# Credentials (pdserve.auth), each also from a file named by <name>_FILE; never flags.
+SECRET_VAR = "PDSERVE_SECRET"  # the data planes: router <-> engines <-> kvds
+ADMIN_SECRET_VAR = "PDSERVE_ADMIN_SECRET"  # Engine.Drain / SetRole / Abort
+CLIENT_SECRET_VAR = "PDSERVE_CLIENT_SECRET"  # callers of the router (gateway, gRPC clients)
+CACHE_SALT_SECRET_VAR = "PDSERVE_CACHE_SALT_SECRET"  # the gateway's key for tenants' cache salts
+SECRET_VARS = (SECRET_VAR, ADMIN_SECRET_VAR, CLIENT_SECRET_VAR, CACHE_SALT_SECRET_VAR)
 
 COMMON_VARS: dict[str, Kind] = {
     LOG_FORMAT_VAR: LOG_FORMAT,
@@ -227,6 +233,7 @@ COMMON_VARS: dict[str, Kind] = {
     OTEL_ENDPOINT_VAR: STR,
     PROFILE_DIR_VAR: STR,
     UP_VERBOSE_VAR: BOOL,
+    **{name: STR for var in SECRET_VARS for name in (var, f"{var}_FILE")},
 }
 
 
@@ -307,6 +314,21 @@ def otel_endpoint() -> str:
 
 def profile_dir() -> str:
     return common(PROFILE_DIR_VAR, "")
+
+
+def secret(var: str, environ: Mapping[str, str] | None = None) -> str:
+    """A credential from ``var``, else from the file ``<var>_FILE`` names (its first line);
+    "" when neither is set. A file that cannot be read is a ConfigError naming it."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(var, "")
+    path = environ.get(f"{var}_FILE", "")
+    if value or not path:
+        return value
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().strip()
+    except OSError as exc:
+        raise ConfigError(f"{var}_FILE: cannot read {path!r}: {exc.strerror}") from exc
 
 
 def up_verbose() -> bool:

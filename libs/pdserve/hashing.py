@@ -39,6 +39,13 @@ def hash_block(
     return h.digest()
 
 
+def kv_fingerprint(model_fingerprint: str, kv_dtype: str, layout: str = "NHD") -> str:
+    """What a block's bytes depend on besides its tokens: the model and weights, the KV dtype
+    and the page layout. Engines hash blocks with it, so instances that would read a block
+    differently (float32 vs bfloat16 KV) never share one, through the index or a kvd."""
+    return f"{model_fingerprint}|kv={kv_dtype}|{layout}"
+
+
 def hash_blocks(
     token_ids: Sequence[int],
     block_size: int,

@@ -79,26 +79,23 @@ class LLM:
     def _run(self, ids: list[str], prompts: list[list[int]],
              plist: list[SamplingParams]) -> list[Completion]:
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        texts: dict[str, list[str]] = {rid: [] for rid in ids}
         logprobs: dict[str, list[Logprob]] = {rid: [] for rid in ids}
-        done: dict[str, tuple[str, str | None]] = {}
+        done: dict[str, str] = {}
         while len(done) < len(ids):
             for out in self.engine.step():
                 tokens[out.request_id] += out.new_token_ids
+                texts[out.request_id].append(out.text)
                 logprobs[out.request_id] += out.logprobs or []
                 if out.finished:
-                    done[out.request_id] = (out.finish_reason or "stop", out.stop_text)
+                    done[out.request_id] = out.finish_reason or "stop"
         if not self.engine.has_unfinished():
             self.engine.check_integrity()  # idle: every page is free or cached
         results = []
         for rid, prompt, p in zip(ids, prompts, plist, strict=True):
-            reason, stop_text = done[rid]
-            text = stop_text if stop_text is not None else self._decode(tokens[rid])
-            results.append(Completion(prompt, tokens[rid], text, reason,
+            results.append(Completion(prompt, tokens[rid], "".join(texts[rid]), done[rid],
                                       logprobs[rid] if p.logprobs is not None else None))
         return results
-
-    def _decode(self, ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -35,17 +35,21 @@ def die_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def start_redis(exe: str, host: str, port: int, prefix: Sequence[str] = (),
-                password: str = "") -> subprocess.Popen[bytes]:
+def start_redis(exe: str, host: str, port: int, password: str = "",
+                prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
     """A private ``redis-server`` on ``host:port`` keeping nothing on disk, once it accepts
-    connections (RuntimeError if it does not within 10 s). ``prefix`` runs it through another
-    command (``ip netns exec <ns>``); a ``password`` is required of clients (without one, Redis
-    accepts only loopback clients)."""
-    auth = ["--requirepass", password] if password else []
-    proc = subprocess.Popen([*prefix, exe, "--port", str(port), "--bind", host, "--save", "",
-                             "--appendonly", "no", *auth],
+    connections (RuntimeError if it does not within 10 s). Its configuration, the password
+    included, goes in on stdin: a command line is visible to every user. ``prefix`` runs it
+    through another command (``ip netns exec <ns>``)."""
+    config = f'port {port}\nbind {host}\nsave ""\nappendonly no\n'
+    if password:
+        config += f"requirepass {password}\n"
+    proc = subprocess.Popen([*prefix, exe, "-"], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             preexec_fn=die_with_parent)
+    assert proc.stdin is not None
+    proc.stdin.write(config.encode())
+    proc.stdin.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -67,6 +71,7 @@ class Proc:
     args: list[str]
     port: int
     cpus: set[int] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # its own: only its role's credentials
     popen: subprocess.Popen[str] | None = None
     restarts: int = 0
     log_tail: list[str] = field(default_factory=list)

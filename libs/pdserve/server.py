@@ -7,7 +7,6 @@ Each service's ``__main__`` does: flags -> config -> ``create_server(config)`` -
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 import sys
@@ -17,10 +16,9 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from pdserve import env
-from pdserve.channel import GRPC_OPTIONS, SECRET_KEY
+from pdserve import auth, env, reflection
+from pdserve.channel import GRPC_OPTIONS
 from pdserve.env import (
     NAME,
     STR,
@@ -69,52 +67,27 @@ class Service:
             await self.health.set(name, status)
 
 
-class SecretCheck(grpc.aio.ServerInterceptor):
-    """Refuse every call to ``services`` (full names) that lacks the shared secret in its
-    ``x-pdserve-secret`` metadata with UNAUTHENTICATED; health and reflection stay open."""
-
-    def __init__(self, secret: str, services: Sequence[str]) -> None:
-        self.secret = secret.encode()
-        self.prefixes = tuple(f"/{name}/" for name in services)
-
-    async def intercept_service(self, continuation: Any,
-                                details: grpc.HandlerCallDetails) -> Any:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(self.prefixes):
-            return handler
-        given = dict(details.invocation_metadata or ()).get(SECRET_KEY, "")
-        if hmac.compare_digest(str(given).encode(), self.secret):
-            return handler
-        message = f"metadata {SECRET_KEY}: missing or wrong shared secret"
-
-        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                refuse, handler.request_deserializer, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(
-            refuse, handler.request_deserializer, handler.response_serializer)
-
-
 def make_server(host: str, port: int, services: Sequence[tuple[Any, Any, str]],
-                secret: str = "") -> Service:
+                rules: auth.Rules = ()) -> Service:
     """Build (not start) a server for ``(add_fn, servicer, full_service_name)`` triples;
-    with ``secret``, every call to those services must carry it (``SecretCheck``).
+    every call is checked against ``rules`` (method prefix -> credential, ``auth.Guard``)
+    with the credentials this process was given.
 
-    Binds only ``host``: internal ports never listen on all interfaces unless told to.
+    Binds only ``host``: internal ports never listen on all interfaces unless told to, and a
+    plane whose credential is not set refuses a non-loopback address (ConfigError).
     """
-    interceptors = [SecretCheck(secret, [name for _, _, name in services])] if secret else []
-    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+    held = auth.secrets()
+    what = ", ".join(name.removeprefix("pdserve.v1.") for _, _, name in services)
+    auth.check_exposure(host, rules, held, f"the {what or 'health'} service")
+    guard = auth.Guard(rules, held)
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[guard] if guard.rules else [])
     names = []
     for add_fn, servicer, name in services:
         add_fn(servicer, server)
         names.append(name)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME], server)
+    reflection.enable(server, [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
     bound = server.add_insecure_port(f"{_bracket(host)}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")

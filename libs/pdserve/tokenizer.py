@@ -1,5 +1,6 @@
 """Tokenizer: a ``tokenizers.Tokenizer`` plus what a Hugging Face model directory says around it
-(BOS/EOS, chat template), and an incremental detokenizer for streaming.
+(BOS/EOS, chat template), and each token's own bytes (for logprobs). Streaming text is
+``pdserve.engine.detokenizer``'s.
 
 Chat prompts already contain the BOS text when the template writes ``{{ bos_token }}``, so
 callers encode rendered chat prompts with ``add_special_tokens=False``.
@@ -9,15 +10,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-_REPLACEMENT = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 
 
 def _token_text(token: Any) -> str | None:
@@ -41,22 +39,19 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-@dataclass
-class DetokenizeState:
-    """Streaming position in one sequence. Only the ids still needed are kept:
-    ``ids[:read_offset]`` is text already emitted (kept as left context, because some decoders
-    render a token differently at the start of a string), ``ids[read_offset:]`` is pending."""
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character each byte is written as."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(moved)}}
 
-    ids: list[int] = field(default_factory=list)
-    read_offset: int = 0
-    skip_special_tokens: bool = True
 
-    @classmethod
-    def from_prompt(
-        cls, prompt_ids: Sequence[int], skip_special_tokens: bool = True, context: int = 6
-    ) -> DetokenizeState:
-        tail = list(prompt_ids[-context:])
-        return cls(ids=tail, read_offset=len(tail), skip_special_tokens=skip_special_tokens)
+def _decoder_types(spec: Any) -> set[str]:
+    if not isinstance(spec, Mapping):
+        return set()
+    return {str(spec.get("type")), *(t for d in spec.get("decoders") or ()
+                                     for t in _decoder_types(d))}
 
 
 class Tokenizer:
@@ -78,6 +73,10 @@ class Tokenizer:
         self.chat_template = chat_template
         # None: trust the tokenizer.json post-processor; a bool overrides it (tokenizer_config).
         self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
+        decoders = _decoder_types(json.loads(tokenizer.to_str()).get("decoder"))
+        self._byte_level = _byte_level_alphabet() if "ByteLevel" in decoders else None
+        self._byte_fallback = "ByteFallback" in decoders
+        self._bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Tokenizer:
@@ -144,24 +143,28 @@ class Tokenizer:
         except TemplateError as e:
             raise ValueError(f"chat template failed on these messages: {e}") from e
 
-    def decode_incremental(self, state: DetokenizeState, new_id: int) -> str:
-        """Append ``new_id``; return the text it completes ("" while a UTF-8 sequence or a
-        word is still open). Concatenated deltas plus ``flush`` equal ``decode`` of all ids."""
-        state.ids.append(new_id)
-        skip = state.skip_special_tokens
-        prefix = self.decode(state.ids[: state.read_offset], skip)
-        full = self.decode(state.ids, skip)
-        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
-            return ""
-        # Text is emitted: the emitted ids become left context, older context is dropped.
-        del state.ids[: state.read_offset]
-        state.read_offset = len(state.ids)
-        return full[len(prefix):]
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own: a UTF-8 fragment for a byte-level token
+        that splits a character (logprobs report these, as OpenAI's ``bytes``)."""
+        cached = self._bytes.get(token_id)
+        if cached is None:
+            cached = self._bytes[token_id] = self._token_bytes(token_id)
+        return cached
 
-    def flush(self, state: DetokenizeState) -> str:
-        """Whatever is still pending at the end of a stream (e.g. an unfinished UTF-8 byte)."""
-        prefix = self.decode(state.ids[: state.read_offset], state.skip_special_tokens)
-        full = self.decode(state.ids, state.skip_special_tokens)
-        del state.ids[: state.read_offset]
-        state.read_offset = len(state.ids)
-        return full[len(prefix):]
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        added = self._tok.get_added_tokens_decoder().get(token_id)
+        if added is not None:
+            return added.content.encode()
+        alphabet = self._byte_level
+        if alphabet is not None and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        if self._byte_fallback and len(piece) == 6 and piece.startswith("<0x"):
+            return bytes([int(piece[3:5], 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    def token_text(self, token_id: int) -> str:
+        """``token_bytes`` as text (an incomplete UTF-8 fragment shows as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")

@@ -214,12 +214,17 @@ class GrpcClient(Client):
     """``pdserve.v1.Router/Generate`` over gRPC (chat input, rendered by the router)."""
 
     def __init__(self, address: str, *, model: str | None = None, ignore_eos: bool = True,
-                 temperature: float = 0.0, timeout_s: float = 600.0) -> None:
+                 temperature: float = 0.0, timeout_s: float = 600.0,
+                 credentials: tuple[tuple[str, str], ...] = ()) -> None:
+        from pdserve import auth
+        from pdserve.channel import insecure_channel
         from pdserve.proto.v1 import router_pb2_grpc
 
         self.model, self.ignore_eos, self.temperature = model, ignore_eos, temperature
         self.timeout_s = timeout_s
-        self.channel = grpc.aio.insecure_channel(address)
+        # The router's client credential: given, or this process's (PDSERVE_CLIENT_SECRET).
+        self.channel = insecure_channel(address, credentials=credentials
+                                        or auth.metadata([auth.CLIENT]))
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
     async def resolve_model(self) -> str:

@@ -89,13 +89,15 @@ def _stop_pyspy(proc: subprocess.Popen[bytes] | None) -> None:
         proc.wait()
 
 
-async def router_counters(address: str) -> dict[str, float]:
+async def router_counters(address: str, credentials: tuple[tuple[str, str], ...] = ()
+                           ) -> dict[str, float]:
     """Cumulative prefix-hit counters from ``Router.ClusterState``; {} when unavailable."""
     import grpc
 
+    from pdserve.channel import insecure_channel
     from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with insecure_channel(address, credentials=credentials) as channel:
         try:
             state = await router_pb2_grpc.RouterStub(channel).ClusterState(
                 router_pb2.ClusterStateRequest(), timeout=10.0)
@@ -119,14 +121,15 @@ def with_hit_rate(run: RunResult, before: dict[str, float], after: dict[str, flo
 
 async def _drive(target: Target, cfg: BenchConfig, cmp: Comparison, router: str | None,
                  maker: PromptMaker, progress: bool) -> list[RunResult]:
+    creds = target.router_credentials
     """Warm up, then each rate of the sweep, snapshotting router counters around each."""
     load = cfg.run.load(cmp.workload, progress)
     runs: list[RunResult] = []
     for i, rate in enumerate(load.rates):
         # One rate at a time, to read the router's counters around it; warm up once.
-        before = await router_counters(router) if router else {}
+        before = await router_counters(router, creds) if router else {}
         (run,) = await run_load_async(target, load, maker, rate_indices=[i], warmup=i == 0)
-        after = await router_counters(router) if router else {}
+        after = await router_counters(router, creds) if router else {}
         runs.append(with_hit_rate(run, before, after))
         print(f"   {cmp.name} @ {rate:g} req/s: "
               f"{run.summary.num_ok}/{run.summary.num_requests} ok", file=sys.stderr, flush=True)
@@ -150,7 +153,8 @@ def run_side(cfg: BenchConfig, cmp: Comparison, stack: StackConfig, out_dir: Pat
             spy = _start_pyspy(info.pid, prof_dir / "py-spy.txt")
         try:
             target = Target(base_url=info.base_url, api=cfg.run.api, model=cfg.run.model,
-                            continuous_usage=cfg.run.continuous_usage)
+                            continuous_usage=cfg.run.continuous_usage,
+                            router_credentials=info.router_credentials)
             runs = asyncio.run(_drive(target, cfg, cmp, info.router, maker, progress))
         finally:
             _stop_pyspy(spy)

@@ -45,6 +45,8 @@ class Target:
     temperature: float = 0.0
     continuous_usage: bool = False
     api_key: str | None = None
+    # gRPC metadata for the router (its client credential); () = from this process's env
+    router_credentials: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if bool(self.base_url) == bool(self.router):
@@ -57,7 +59,8 @@ class Target:
     def client(self, request_timeout_s: float) -> Client:
         if self.router:
             return GrpcClient(self.router, model=self.model, ignore_eos=self.ignore_eos,
-                                temperature=self.temperature, timeout_s=request_timeout_s)
+                              temperature=self.temperature, timeout_s=request_timeout_s,
+                              credentials=self.router_credentials)
         return HttpClient(self.base_url, api=self.api, model=self.model,
                           ignore_eos=self.ignore_eos, temperature=self.temperature,
                           continuous_usage=self.continuous_usage, api_key=self.api_key)
@@ -77,6 +80,7 @@ class LoadSettings:
     slo_tpot_ms: float | None = None
     warmup_requests: int = 0
     progress: bool = True
+    block_size: int = 16  # the server's, for the multiturn reuse oracle
 
     def __post_init__(self) -> None:
         if not self.rates or any(not r > 0 for r in self.rates):
@@ -197,7 +201,8 @@ async def run_load_async(target: Target, load: LoadSettings, maker: PromptMaker 
             finally:
                 bar.close()
             summary = summarize(results, slo_ttft_ms=load.slo_ttft_ms,
-                                slo_tpot_ms=load.slo_tpot_ms, num_skipped=skipped)
+                                slo_tpot_ms=load.slo_tpot_ms, num_skipped=skipped,
+                                block_size=load.block_size)
             runs.append(RunResult(rate, tuple(results), summary))
     finally:
         await client.close()

@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in model name (tiny, bench-50m) or HF directory: exact prompt "
                         "token counts; default ~1 token per word")
     p.add_argument("--tokens-per-word", type=_positive(float), default=1.0)
+    p.add_argument("--block-size", type=_positive(int), default=16,
+                   help="the server's KV block size (for the multiturn reuse oracle)")
     p.add_argument("--out", type=Path, help="write every request's timings here (JSON)")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=ns.seed, num_requests=None if ns.duration else (ns.num_requests or 100),
             duration_s=ns.duration, request_timeout_s=ns.request_timeout,
             slo_ttft_ms=ns.slo_ttft_ms, slo_tpot_ms=ns.slo_tpot_ms, warmup_requests=ns.warmup,
-            progress=not ns.no_progress)
+            progress=not ns.no_progress, block_size=ns.block_size)
         counter = token_counter(ns.tokenizer_model) if ns.tokenizer_model else None
     except ValueError as e:
         parser.error(str(e))

@@ -19,8 +19,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from pdserve import auth
+from pdserve.auth import CLIENT
+
 READY = re.compile(r"pdserve ready: (\S+)")
 ROUTER = re.compile(r"pdserve router: (\S+)")
+SECRETS = re.compile(r"pdserve secrets: (\S+)")
 
 
 class StackError(RuntimeError):
@@ -32,6 +36,8 @@ class StackInfo:
     base_url: str
     router: str | None
     pid: int
+    # The router's client credential (pdserve.auth) when the stack printed where it keeps it.
+    router_credentials: tuple[tuple[str, str], ...] = ()
 
 
 class StackProcess:
@@ -47,6 +53,7 @@ class StackProcess:
         self.ready = threading.Event()
         self.base_url: str | None = None
         self.router: str | None = None
+        self.secrets_dir: str | None = None
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._log: IO[str] | None = None
@@ -67,6 +74,8 @@ class StackProcess:
                     self.tail.append(line.rstrip())
             if (m := ROUTER.search(line)) and self.router is None:
                 self.router = m.group(1)
+            if (m := SECRETS.search(line)) and self.secrets_dir is None:
+                self.secrets_dir = m.group(1)
             if (m := READY.search(line)) and not self.ready.is_set():
                 self.base_url = m.group(1).rstrip("/")
                 self.ready.set()
@@ -100,7 +109,11 @@ class StackProcess:
                 raise StackError(f"{self.name}: no 'pdserve ready:' line within "
                                  f"{self.ready_timeout_s:g} s (ready_timeout_s){self._tail_text()}")
         assert self.base_url is not None
-        return StackInfo(self.base_url, self.router, self.proc.pid)
+        credentials: tuple[tuple[str, str], ...] = ()
+        if self.secrets_dir is not None:
+            held = auth.secrets({f"{CLIENT.var}_FILE": str(Path(self.secrets_dir) / CLIENT.var)})
+            credentials = auth.metadata([CLIENT], held)
+        return StackInfo(self.base_url, self.router, self.proc.pid, credentials)
 
     def _tail_text(self) -> str:
         with self._lock:

@@ -169,12 +169,36 @@ class Summary:
         return out
 
 
+def prefix_reuse(results: Sequence[RequestResult], block_size: int) -> dict[str, float]:
+    """Later turns of multiturn conversations: the prompt tokens the server reported cached,
+    next to the oracle, the previous turn's prompt + answer tokens that fall in full blocks
+    (its answer's last token has no KV yet; the block of this prompt's last token is always
+    computed). The oracle assumes this turn's prompt repeats the previous prompt and answer
+    token for token, as a chat template does when the answer re-tokenizes alike."""
+    by_turn = {(r.conversation, r.turn): r for r in results if r.is_ok}
+    cached = oracle = num = 0
+    for (conv, turn), r in by_turn.items():
+        prev = by_turn.get((conv, turn - 1))
+        if turn == 0 or prev is None or r.cached_tokens is None:
+            continue
+        had = prev.tokens_in + prev.tokens_out - 1
+        oracle += min(had, r.tokens_in - 1) // block_size * block_size
+        cached += r.cached_tokens
+        num += 1
+    if not num:
+        return {}
+    return {"later_turns": num, "later_turn_cached_tokens": cached,
+            "later_turn_oracle_tokens": oracle,
+            "cached_of_oracle": cached / oracle if oracle else 0.0}
+
+
 def summarize(
     results: Sequence[RequestResult],
     *,
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
     num_skipped: int = 0,
+    block_size: int = 16,
 ) -> Summary:
     """Throughputs divide by the span from the first send to the last finish."""
     ok = [r for r in results if r.is_ok]
@@ -207,6 +231,7 @@ def summarize(
         e2e=Dist.of_seconds([r.e2e_s for r in ok]),
         tokens_in_mean=sum(r.tokens_in for r in ok) / len(ok) if ok else 0.0,
         tokens_out_mean=sum(r.tokens_out for r in ok) / len(ok) if ok else 0.0,
+        extra=prefix_reuse(results, block_size),
     )
 
 
@@ -229,4 +254,10 @@ def format_table(summary: Summary, title: str = "") -> str:
         f"throughput {summary.throughput_rps:.3f} req/s, {summary.output_tok_s:.1f} output tok/s",
         f"goodput {goodput}   errors {summary.num_errors} ({errors})",
     ]
+    if "later_turns" in summary.extra:
+        x = summary.extra
+        lines.append(f"later turns {x['later_turns']:.0f}: cached "
+                     f"{x['later_turn_cached_tokens']:.0f} of an oracle "
+                     f"{x['later_turn_oracle_tokens']:.0f} prompt tokens "
+                     f"({100 * x['cached_of_oracle']:.1f}%)")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,14 +26,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.engine.async_engine import RequestStream
-from pdserve.engine.request import Logprob
-from pdserve.engine.text import TextStream
+from pdserve.engine.request import Logprob, RequestOutput
 from pdserve.errors import BadRequest, StatusError
 from pdserve.proto.v1 import common_pb2
 from pdserve.roles import Role
 from pdserve.sampling_params import SamplingParams
 from services.engine import metrics
 from services.engine.instance import EngineInstance
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,20 @@ async def run_decode(inst: EngineInstance, job: DecodeJob, timeout: float) -> As
             return
         prompt = [*job.prompt, job.first_token_id]
         params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - 1)
-    stream = await inst.aengine.add_request(job.request_id, prompt, params, job.priority,
-                                            job.cache_salt)
+    # With a kvd, the finished request's pages stay until its full blocks (prompt and
+    # answer) are in the kvd, where the next turn's prefill finds them.
+    kept = KeptBlocks(inst, job) if inst.bridge is not None else None
+    stream = await inst.aengine.add_request(
+        job.request_id, prompt, params, job.priority, job.cache_salt,
+        hold=kept is not None, prior_output=0 if job.first_token_id is None else 1)
     try:
-        async for chunk in _follow(inst, job, stream, prompt, params):
+        async for chunk in _follow(job, stream, params, kept):
             yield chunk
     finally:
         if not stream.finished:  # cancelled, deadline, or the client went away
             await asyncio.shield(inst.aengine.abort(job.request_id))
+        elif kept is not None:  # finished, but the stream may have ended before its release
+            await kept.release()
 
 
 async def _receive_blocks(inst: EngineInstance, job: DecodeJob, timeout: float) -> None:
@@ -98,23 +106,29 @@ async def _receive_blocks(inst: EngineInstance, job: DecodeJob, timeout: float) 
     metrics.BLOCKS.labels("imported").inc(len(job.blocks))
 
 
-async def _follow(inst: EngineInstance, job: DecodeJob, stream: RequestStream, prompt: list[int],
-                  params: SamplingParams) -> AsyncIterator[Chunk]:
-    text = TextStream(inst.engine.tokenizer, prompt, params.stop)
+async def _follow(job: DecodeJob, stream: RequestStream, params: SamplingParams,
+                  kept: KeptBlocks | None) -> AsyncIterator[Chunk]:
     num_done = 0 if job.first_token_id is None else 1
     last = time.monotonic()
     async for out in stream:
-        chunk = Chunk(list(out.new_token_ids))
-        if not out.finished:
-            chunk.text = text.add(out.new_token_ids)
+        chunk = Chunk(list(out.new_token_ids), text=out.text)
+        if kept is not None and out.new_full_blocks and not out.finished:
+            kept.add(out.new_full_blocks)
         if params.logprobs is not None and out.logprobs:
             chunk.logprobs = list(zip(out.new_token_ids, out.logprobs, strict=True))
         num_done += len(out.new_token_ids)
         now = time.monotonic()
         metrics.TOKEN_GAP_SECONDS.observe(now - last)
         last = now
+        if out.finished and kept is not None and out.block_hashes is not None:
+            # The answer's last tokens go out now; the stream ends once its blocks are in the
+            # kvd, so a next turn sent on that end finds them.
+            kept.held = out
+            if chunk.token_ids:
+                yield chunk
+                chunk = Chunk([])
+            await kept.finish()
         if out.finished:
-            chunk.text = text.finish(out.new_token_ids, out.stop_text)
             chunk.finish_reason = out.finish_reason
             chunk.completion_tokens = num_done
             # Disaggregated: imported blocks are not this request's cache hits; the router
@@ -124,3 +138,52 @@ async def _follow(inst: EngineInstance, job: DecodeJob, stream: RequestStream, p
             metrics.TOKENS.labels("generated").inc(num_done)
         if chunk.token_ids or chunk.finish_reason:
             yield chunk
+
+
+class KeptBlocks:
+    """A decode request's full blocks, committed to the node's kvd as they fill (the answer's,
+    mostly: the prompt's came from there) and indexed like prefill blocks, so the next turn's
+    prefill can load them. A failure costs only a later cache miss."""
+
+    def __init__(self, inst: EngineInstance, job: DecodeJob) -> None:
+        self.inst, self.job = inst, job
+        self.done = {ref.hash for ref in job.blocks}
+        self.pending: list[asyncio.Task[None]] = []
+        self.held: RequestOutput | None = None  # the finished request, its pages kept
+        self.is_released = False
+
+    def add(self, blocks: list[tuple[bytes, int]]) -> None:
+        """Blocks of the running request: exported beside the stream."""
+        todo = [(h, p) for h, p in blocks if h not in self.done]
+        if todo:
+            self.done.update(h for h, _ in todo)
+            self.pending.append(asyncio.create_task(self._export(todo)))
+
+    async def finish(self) -> None:
+        """The finished (held) request: its remaining blocks, then its pages are freed."""
+        out = self.held
+        assert out is not None and out.block_hashes is not None and out.page_ids is not None
+        try:
+            await asyncio.gather(*self.pending)
+            await self._export([(h, p) for h, p in zip(out.block_hashes, out.page_ids,
+                                                       strict=True) if h not in self.done])
+        finally:
+            await self.release()
+
+    async def release(self) -> None:
+        """Free the finished request's pages (once)."""
+        if self.held is not None and not self.is_released:
+            self.is_released = True
+            await asyncio.shield(self.inst.aengine.release(self.job.request_id))
+
+    async def _export(self, todo: list[tuple[bytes, int]]) -> None:
+        assert self.inst.bridge is not None
+        if not todo:
+            return
+        try:
+            exported = await self.inst.bridge.export(todo, None)
+            metrics.BLOCKS.labels("exported").inc(len(exported))
+        except StatusError as exc:
+            log.warning("answer blocks not kept in the kvd",
+                        extra={"fields": {"request_id": self.job.request_id,
+                                          "error": exc.message}})

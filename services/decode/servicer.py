@@ -12,6 +12,7 @@ from pdserve.errors import BadRequest, rpc_handler
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.roles import Role
 from pdserve.telemetry import server_span
+from pdserve.tokenizer import Tokenizer
 from services.decode.decode import Chunk, DecodeJob, run_decode
 from services.engine import metrics
 from services.engine.convert import check_block_refs, prompt_and_params
@@ -34,7 +35,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             with inst.admit(Role.DECODE, Role.COLOCATED):
                 timeout = kvd_timeout(context, inst.config.kvd_timeout)
                 async for chunk in run_decode(inst, job, timeout):
-                    yield _chunk_to_proto(chunk, len(job.prompt))
+                    yield _chunk_to_proto(chunk, len(job.prompt), inst.engine.tokenizer)
 
 
 def _job_from_proto(request: engine_pb2.DecodeRequest, rid: str,
@@ -49,15 +50,16 @@ def _job_from_proto(request: engine_pb2.DecodeRequest, rid: str,
                          "which also returns the first token)")
     salt = request.meta.cache_salt
     blocks = check_block_refs(request.blocks, prompt, inst.block_size,
-                              inst.engine.config.fingerprint, salt)
+                              inst.engine.fingerprint, salt)
     source = request.source if request.HasField("source") and request.source.address else None
     return DecodeJob(rid, prompt, params, first, blocks, source, request.meta.priority, salt)
 
 
-def _chunk_to_proto(chunk: Chunk, num_prompt: int) -> engine_pb2.DecodeChunk:
+def _chunk_to_proto(chunk: Chunk, num_prompt: int,
+                    tokenizer: Tokenizer | None) -> engine_pb2.DecodeChunk:
     out = engine_pb2.DecodeChunk(
         token_ids=chunk.token_ids, text=chunk.text,
-        logprobs=[logprobs_to_proto(t, lp) for t, lp in chunk.logprobs],
+        logprobs=[logprobs_to_proto(t, lp, tokenizer) for t, lp in chunk.logprobs],
         finish_reason=finish_to_proto(chunk.finish_reason))
     if chunk.finish_reason is not None:
         out.usage.CopyFrom(common_pb2.Usage(prompt_tokens=num_prompt,

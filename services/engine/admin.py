@@ -33,7 +33,7 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
             prefix_hit_tokens=core.num_prefix_hit_tokens,
             prefill_tokens_computed=core.num_prefill_tokens, kvd=kvd,
             draining=inst.draining, is_flex=inst.is_flex, block_size=inst.block_size,
-            decode_tokens=core.num_decode_tokens)
+            decode_tokens=core.num_decode_tokens, kv_fingerprint=inst.engine.fingerprint)
 
     @rpc_handler("Drain")
     async def Drain(self, request: engine_pb2.DrainRequest,

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import torch
 
+from pdserve import auth
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine
 from pdserve.errors import BadRequest, StatusError
@@ -66,7 +67,7 @@ class EngineInstance:
         self.aengine.start()
         if self.config.kvd:
             client = KvdClient(self.config.kvd, f"engine-{self.instance_id}",
-                               secret=self.config.kvd_secret)
+                               secret=auth.secrets().get(auth.DATA.name, ""))
             self.bridge = KvBridge(self.aengine, client, self.config.kvd)
             await self.bridge.register()
         if self.config.redis_url:
@@ -80,6 +81,8 @@ class EngineInstance:
         if self._redis is not None:
             await self._redis.aclose()
         if self.bridge is not None:
+            if self.bridge.staging is not None:
+                self.bridge.staging.close()  # unregister the pool before it is unmapped
             await self.bridge.client.close()
         await self.aengine.close()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pdserve import auth
 from pdserve.proto.v1 import engine_pb2, engine_pb2_grpc
 from pdserve.roles import Role
 from pdserve.server import Service, make_server, run_grpc_main
@@ -29,6 +30,11 @@ _SERVICES = engine_pb2.DESCRIPTOR.services_by_name
 _PREFILL = (engine_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer, "Prefill")
 _DECODE = (engine_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer, "Decode")
 _ADMIN = (engine_pb2_grpc.add_EngineServicer_to_server, EngineAdminServicer, "Engine")
+# Admin calls need the admin credential (the router's); every other call the data one.
+RULES: auth.Rules = [
+    *((f"/pdserve.v1.Engine/{rpc}", auth.ADMIN) for rpc in ("Drain", "SetRole", "Abort")),
+    *((f"/pdserve.v1.{service}/", auth.DATA) for service in ("Engine", "Prefill", "Decode")),
+]
 SERVICERS_BY_ROLE = {
     Role.PREFILL: (_PREFILL, _ADMIN),
     Role.DECODE: (_DECODE, _ADMIN),
@@ -48,7 +54,7 @@ async def create_server(config: EngineServiceConfig) -> Service:
     """Load the model, bind the port; the engine thread, kvd registration and the registry
     heartbeat start with the server (before the ready line) and stop after it."""
     instance = create_instance(config)
-    svc = make_server(config.host, config.port, servicers(instance))
+    svc = make_server(config.host, config.port, servicers(instance), RULES)
 
     async def start() -> None:
         await instance.start(svc.port)

@@ -42,11 +42,12 @@ def create_app(gw: Gateway) -> FastAPI:
     async def model(request: Request, model_id: str) -> Response:
         return await gw.models(request, model_id)
 
-    @app.get("/health", summary="200 when the router answers its health check, else 503")
+    @app.get("/health", summary="Liveness: 200 when the router answers its health check, else "
+             "503 (open without an API key; names no address)")
     async def health() -> Response:
         return await gw.health()
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get("/metrics", summary="Prometheus metrics (needs an API key when keys are on)")
     async def metrics() -> Response:
         return Response(gw.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
@@ -85,6 +86,10 @@ def _body_doc(model: type[Api]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+# Paths that answer only with a valid API key when keys are on (FastAPI's docs included).
+PROTECTED = frozenset({"/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+
 class FastPath:
     """POST /v1/completions and /v1/chat/completions straight from ASGI to the handler,
     around FastAPI's middleware, routing and dependency solving (a measurable share of the
@@ -101,6 +106,12 @@ class FastPath:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = self.routes.get(scope["path"]) if scope["type"] == "http" else None
+        if scope["type"] == "http" and scope["path"] in PROTECTED:
+            try:  # with API keys on, only /health (and the API itself, by key) is open
+                self.gw.keys.tenant(Request(scope, receive).headers.get("authorization"))
+            except ApiError as exc:
+                await error_response(exc)(scope, receive, send)
+                return
         if route is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return

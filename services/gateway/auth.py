@@ -1,19 +1,30 @@
-"""API keys: ``Authorization: Bearer <key>`` -> tenant id.
+"""API keys: ``Authorization: Bearer <key>`` -> tenant id; and each tenant's cache salt.
 
-Keys come from ``--keys-file`` (one ``key[,tenant]`` a line; ``#`` comments and blank lines
-skipped) and ``--api-keys``. A key without a tenant gets ``key-<first 8 hex of its SHA-256>``, so
-the raw secret never reaches the router, its quotas or any log. Keys are stored by digest:
-looking one up compares digests, not the secret itself.
+Keys come from ``--keys-file`` (one ``key[,tenant[,cache_group]]`` a line; ``#`` comments and
+blank lines skipped) and ``--api-keys``. A key without a tenant gets ``key-<first 8 hex of its
+SHA-256>``, so the raw secret never reaches the router, its quotas or any log. Keys are stored
+by digest: looking one up compares digests, not the secret itself.
+
+Cache salts (DESIGN.md §2): every request's ``cache_salt`` is HMAC-SHA256 of its tenant (or of
+the cache group an operator put the tenant in, on purpose) and of the request's own
+``cache_salt`` field (vLLM's), keyed with ``PDSERVE_CACHE_SALT_SECRET``. Block hashes then
+differ between tenants and cannot be predicted without the key, so ``cached_tokens`` and TTFT
+tell a tenant only about its own history, and nobody can aim a block at another's prompt.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import logging
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
 from pdserve.env import ConfigError
 from services.gateway.errors import unauthorized
+
+log = logging.getLogger(__name__)
 
 
 def _digest(key: str) -> bytes:
@@ -27,17 +38,21 @@ def default_tenant(key: str) -> str:
 class KeyStore:
     """Known keys. Empty = authentication off (every request is tenant "")."""
 
-    def __init__(self, entries: Iterable[tuple[str, str]] = ()) -> None:
+    def __init__(self, entries: Iterable[tuple[str, str] | tuple[str, str, str]] = ()) -> None:
         self._tenants: dict[bytes, str] = {}
-        for key, tenant in entries:
+        self._groups: dict[str, str] = {}  # tenant -> the cache group it shares on purpose
+        for key, tenant, *group in entries:
             if not key:
                 raise ValueError("API key must not be empty")
-            self._tenants[_digest(key)] = tenant or default_tenant(key)
+            tenant = tenant or default_tenant(key)
+            self._tenants[_digest(key)] = tenant
+            if group and group[0]:
+                self._groups[tenant] = group[0]
 
     @classmethod
     def load(cls, keys_file: str, api_keys: Iterable[str]) -> KeyStore:
         """From the config's fields; a bad file raises ConfigError naming ``--keys-file``."""
-        entries = [(k, "") for k in api_keys]
+        entries: list[tuple[str, str] | tuple[str, str, str]] = [(k, "") for k in api_keys]
         if keys_file:
             try:
                 text = Path(keys_file).read_text()
@@ -48,10 +63,11 @@ class KeyStore:
                 line = line.strip()
                 if not line or line.startswith("#"):
                     continue
-                key, _, tenant = (part.strip() for part in line.partition(","))
-                if not key or any(c.isspace() for c in key):
-                    raise ConfigError(f"--keys-file: line {num}: expected 'key[,tenant]'")
-                entries.append((key, tenant))
+                key, tenant, group, *rest = [p.strip() for p in line.split(",")] + ["", ""]
+                if not key or any(c.isspace() for c in key) or any(rest):
+                    raise ConfigError(f"--keys-file: line {num}: expected "
+                                      "'key[,tenant[,cache_group]]'")
+                entries.append((key, tenant, group))
         return cls(entries)
 
     @property
@@ -75,3 +91,23 @@ class KeyStore:
             raise unauthorized("invalid API key")
         return tenant
 
+    def cache_identity(self, tenant: str) -> str:
+        """Whose cache a tenant's requests use: its own, or its group's."""
+        group = self._groups.get(tenant)
+        return f"group:{group}" if group else f"tenant:{tenant}"
+
+
+class CacheSalter:
+    """``cache_salt`` of a request: HMAC-SHA256(key, identity, the request's own salt)."""
+
+    def __init__(self, key: str) -> None:
+        if not key:
+            # Without a configured key the salts still isolate tenants, but change on restart
+            # and differ between gateway replicas (no cache hits across them).
+            log.warning("PDSERVE_CACHE_SALT_SECRET not set: a random key for this process")
+            key = os.urandom(32).hex()
+        self._key = key.encode()
+
+    def salt(self, identity: str, request_salt: str | None) -> str:
+        message = f"{identity}\x00{request_salt or ''}".encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()

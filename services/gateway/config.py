@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.auth import is_loopback
 from pdserve.env import (
     ADDRESS,
     NAME,
     STR,
     TOKENS,
+    ConfigError,
     ServiceConfig,
     float_kind,
     int_kind,
@@ -28,8 +30,8 @@ class GatewayConfig(ServiceConfig):
     port: int = port_setting(8000, "HTTP")
     grpc_port: int = port_setting(0, "gRPC health and reflection")
     router: str = setting("127.0.0.1:50051", ADDRESS, "router gRPC address host:port")
-    keys_file: str = setting("", STR,
-                             "API keys file (one 'key[,tenant]' a line); empty = no auth")
+    keys_file: str = setting("", STR, "API keys file (one 'key[,tenant[,cache_group]]' a "
+                             "line); none = no auth, allowed on a loopback address only")
     api_keys: tuple[str, ...] = setting((), TOKENS,
                                         "API keys, comma-separated (added to the keys file's)")
     model_name: str = setting("", STR, "model id to expose (default: the router's)")
@@ -38,3 +40,10 @@ class GatewayConfig(ServiceConfig):
                                      "seconds before a request is abandoned")
     max_choices: int = setting(64, int_kind(1), "most choices (n x prompts) in one request")
     instance_id: str = setting("", STR, "id in logs and traces")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not (self.keys_file or self.api_keys) and not is_loopback(self.host):
+            raise ConfigError(f"--host {self.host}: serving the API on a non-loopback address "
+                              "needs API keys (--keys-file or --api-keys); refusing to start "
+                              "open to the network")

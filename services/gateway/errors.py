@@ -1,4 +1,5 @@
-"""OpenAI's error JSON, and where each error comes from: validation, auth, or a router status.
+"""OpenAI's error JSON, and where each error comes from: validation, auth, or a router status
+(read from its rich details, as every gRPC client of pdserve reads them).
 
 ``{"error": {"message", "type", "param", "code"}}`` with the HTTP status a client's retry logic
 expects: 400 bad params (``param`` names the field), 401 key, 404 model, 429 quota (with
@@ -8,13 +9,14 @@ expects: 400 bad params (``param`` names the field), 401 key, 404 model, 429 quo
 from __future__ import annotations
 
 import json
-import re
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from pydantic import ValidationError
 
+from pdserve.errors import details_of
 from services.gateway.schema import FieldError
 
 # gRPC status -> (HTTP status, OpenAI error type, code).
@@ -70,33 +72,30 @@ def unauthorized(message: str) -> ApiError:
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> ApiError:
-    """Map a router status to HTTP; ``retry-after`` trailing metadata becomes Retry-After."""
+    """Map a router status to HTTP, from its rich details (``pdserve.errors.details_of``):
+    the first field violation is ``param`` (in OpenAI's names), RetryInfo is Retry-After."""
     code = exc.code()
     status, kind, err_code = _FROM_GRPC.get(code, (500, "server_error", "internal_error"))
     message = exc.details() or code.name
+    details = details_of(exc)
     param = None
-    if status == 400:
-        param = openai_param(message)
+    if status == 400 and details.violations:
+        param = openai_param(details.violations[0].field)
     elif status == 404:
         param = "model"
     headers = {}
-    for key, value in exc.trailing_metadata() or ():
-        if key == "retry-after":
-            headers["Retry-After"] = str(value)
+    if details.retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(details.retry_after)))
     return ApiError(status, message, kind, param, err_code, headers)
 
 
-_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*)[: ]")
 # The router names contract fields; clients know OpenAI's names.
-_RENAMES = (("sampling.", ""), ("chat.messages", "messages"), ("prompt_token_ids", "prompt"))
+_RENAMES = (("sampling.", ""), ("chat.messages", "messages"), ("prompt_token_ids", "prompt"),
+            ("meta.", ""))
 
 
-def openai_param(message: str) -> str | None:
-    """The field a router message starts with ("sampling.top_p: ..."), in OpenAI's terms."""
-    match = _FIELD.match(message)
-    if match is None:
-        return None
-    field = match.group(1)
+def openai_param(field: str) -> str | None:
+    """A router request field ("sampling.top_p") in OpenAI's terms ("top_p")."""
     for prefix, replacement in _RENAMES:
         if field.startswith(prefix):
             field = replacement + field[len(prefix):]

@@ -1,11 +1,10 @@
 """OpenAI response shapes: whole responses, SSE chunks, and logprobs.
 
-Token strings in logprobs: the router sends text per message, and ids (no strings) for the top
-alternatives, and the gateway holds no tokenizer. So a sampled token's string is its message's
-text when that message carries exactly one token (the router's usual cadence), and
-``token_id:<id>`` otherwise (vLLM's spelling of an undecoded token); alternatives are
-``token_id:<id>`` unless they are the sampled token. ``text_offset`` is exact for one-token
-messages and the message's start offset otherwise.
+Token strings in logprobs are the engines': each sampled token and each alternative carries its
+own text and bytes (a token that splits a character has a fragment of it: its text shows
+U+FFFD, its bytes are exact). A model without a tokenizer sends none: then the string is
+``token_id:<id>`` (vLLM's spelling of an undecoded token). ``text_offset`` is exact for
+one-token messages and the message's start offset otherwise.
 """
 
 from __future__ import annotations
@@ -21,27 +20,25 @@ from services.gateway.generate import ChoiceOutput, usage_of
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
-def _tokens(msg: router_pb2.GenerateResponse) -> list[str]:
-    if len(msg.logprobs) == 1 and len(msg.token_ids) <= 1:
-        return [msg.text]
-    return [f"token_id:{p.sampled.token_id}" for p in msg.logprobs]
-
-
-def _alt(pos: common_pb2.PositionLogprobs, token: str, alt_id: int) -> str:
-    return token if alt_id == pos.sampled.token_id else f"token_id:{alt_id}"
+def _token(entry: common_pb2.TokenLogprob) -> tuple[str, list[int]]:
+    """The token's string and bytes."""
+    if not entry.token and not entry.token_bytes:
+        name = f"token_id:{entry.token_id}"
+        return name, list(name.encode())
+    return entry.token, list(entry.token_bytes)
 
 
 def chat_logprobs(msg: router_pb2.GenerateResponse) -> list[dict[str, Any]]:
     """``choices[].logprobs.content`` entries of one router message."""
     out = []
-    for token, pos in zip(_tokens(msg), msg.logprobs, strict=True):
+    for pos in msg.logprobs:
         top = []
         for alt in pos.top:
-            alt_token = _alt(pos, token, alt.token_id)
-            top.append({"token": alt_token, "logprob": alt.logprob,
-                        "bytes": list(alt_token.encode())})
-        out.append({"token": token, "logprob": pos.sampled.logprob,
-                    "bytes": list(token.encode()), "top_logprobs": top})
+            alt_token, alt_bytes = _token(alt)
+            top.append({"token": alt_token, "logprob": alt.logprob, "bytes": alt_bytes})
+        token, raw = _token(pos.sampled)
+        out.append({"token": token, "logprob": pos.sampled.logprob, "bytes": raw,
+                    "top_logprobs": top})
     return out
 
 
@@ -53,11 +50,12 @@ def completion_logprobs(entries: Sequence[tuple[router_pb2.GenerateResponse, int
     top_logprobs: list[dict[str, float]] = []
     offsets: list[int] = []
     for msg, offset in entries:
-        for token, pos in zip(_tokens(msg), msg.logprobs, strict=True):
+        for pos in msg.logprobs:
+            token = _token(pos.sampled)[0]
             tokens.append(token)
             token_logprobs.append(pos.sampled.logprob)
             top = {token: pos.sampled.logprob}
-            top.update({_alt(pos, token, a.token_id): a.logprob for a in pos.top})
+            top.update({_token(a)[0]: a.logprob for a in pos.top})
             top_logprobs.append(top)
             offsets.append(offset)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,

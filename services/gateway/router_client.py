@@ -15,11 +15,13 @@ from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 
 
 class RouterClient:
-    def __init__(self, address: str, timeout: float) -> None:
+    def __init__(self, address: str, timeout: float,
+                 credentials: tuple[tuple[str, str], ...] = ()) -> None:
         self.address = address
         self.timeout = timeout
         # Retries are the router's job (on another instance): the channel never resends.
-        self._channel = insecure_channel(address, ("grpc.enable_retries", 0))
+        self._channel = insecure_channel(address, ("grpc.enable_retries", 0),
+                                         credentials=credentials)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._default_model: str | None = None

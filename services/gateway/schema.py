@@ -57,6 +57,8 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    # vLLM's: salts this request's prefix blocks further (within the caller's own cache).
+    cache_salt: str | None = Field(default=None, max_length=256)
 
     @field_validator("stop")
     @classmethod
@@ -87,14 +89,15 @@ class _Common(BaseModel):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def router_requests(self, model: str, inputs: list[dict[str, Any]], max_tokens: int | None,
-                        logprobs: int | None, request_id: str, tenant: str
+                        logprobs: int | None, request_id: str, tenant: str, cache_salt: str
                         ) -> list[router_pb2.GenerateRequest]:
         """One router call per choice: ``n`` per input, choice ``k*n + i`` using seed + i."""
         return [
             router_pb2.GenerateRequest(
                 model=model, sampling=self.sampling(i, max_tokens, logprobs),
                 meta=common_pb2.RequestMeta(request_id=f"{request_id}-{k * self.n + i}",
-                                            priority=self.priority, tenant=tenant),
+                                            priority=self.priority, tenant=tenant,
+                                            cache_salt=cache_salt),
                 **one_input)
             for k, one_input in enumerate(inputs) for i in range(self.n)
         ]

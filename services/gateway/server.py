@@ -13,10 +13,11 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from pdserve import auth, env
 from pdserve.log import fields
 from pdserve.server import Service, make_server
 from services.gateway.app import FastPath, create_app
-from services.gateway.auth import KeyStore
+from services.gateway.auth import CacheSalter, KeyStore
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router_client import RouterClient
@@ -59,8 +60,10 @@ class GatewayServer:
     async def start(self) -> None:
         """Bind and start both servers; return once HTTP accepts connections."""
         config = self.config
-        self.client = RouterClient(config.router, config.request_timeout)
-        self.gateway = Gateway(config, self.client, self.keys, GatewayMetrics())
+        self.client = RouterClient(config.router, config.request_timeout,
+                                   auth.metadata([auth.CLIENT]))
+        self.gateway = Gateway(config, self.client, self.keys, GatewayMetrics(),
+                               CacheSalter(env.secret(env.CACHE_SALT_SECRET_VAR)))
         self._sock = _bind(config.host, config.port)
         self.http_port = int(self._sock.getsockname()[1])
         self._grpc: Service = make_server(config.host, config.grpc_port, [])

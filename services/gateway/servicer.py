@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from pdserve.log import fields
 from pdserve.telemetry import outbound_metadata
 from services.gateway import responses as shapes
-from services.gateway.auth import KeyStore
+from services.gateway.auth import CacheSalter, KeyStore
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError, bad_request, from_rpc_error, from_validation
 from services.gateway.generate import ChoiceOutput, Generation, collect
@@ -64,6 +64,7 @@ class Gateway:
     client: RouterClient
     keys: KeyStore
     metrics: GatewayMetrics
+    salter: CacheSalter
 
     async def handle(self, request: Request, endpoint: str, model_cls: type[Api]) -> Response:
         start = time.perf_counter()
@@ -112,9 +113,11 @@ class Gateway:
         rid = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
         model = await self._router_model(req.model)
         trace.get_current_span().set_attribute("pdserve.request_id", rid)
+        if not self.keys.enabled:
+            tenant = req.user or ""  # no keys: the caller says who it is (no isolation)
+        salt = self.salter.salt(self.keys.cache_identity(tenant), req.cache_salt)
         gen = Generation(self.client, outbound_metadata(), req.router_requests(
-            model, inputs, req.completion_limit, req.num_logprobs, rid,
-            tenant if self.keys.enabled else (req.user or "")), start)
+            model, inputs, req.completion_limit, req.num_logprobs, rid, tenant, salt), start)
         created = int(time.time())
         logprobs = req.num_logprobs is not None
         try:
@@ -233,9 +236,9 @@ class Gateway:
         return Response(shapes.dumps(found), media_type="application/json")
 
     async def health(self) -> Response:
+        """Liveness: open without a key, so it names no address."""
         ok = await self.client.check()
-        body = {"status": "ok" if ok else "unavailable", "router": self.client.address,
-                "router_serving": ok}
+        body = {"status": "ok" if ok else "unavailable", "router_serving": ok}
         return Response(shapes.dumps(body), status_code=200 if ok else 503,
                         media_type="application/json")
 

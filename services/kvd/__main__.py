@@ -6,6 +6,7 @@ import sys
 
 from prometheus_client import REGISTRY
 
+from pdserve import auth
 from pdserve.index import PrefixIndex
 from pdserve.proto.v1 import common_pb2
 from pdserve.server import Service, make_server, run_grpc_main
@@ -23,7 +24,7 @@ async def create_server(config: KvdConfig) -> Service:
         index = RedisPrefixIndex(config.redis_url, config.index_prefix, config.index_ttl)
     kvd = Kvd(config, index, net_device_for(config.ucx_host))
     svc = make_server(config.host, config.port, servicers(KvdServicer(kvd)),
-                      secret=config.secret)
+                      rules=[("/pdserve.v1.Kvd/", auth.DATA)])
     address = f"{config.host}:{svc.port}"  # the node's default id: known once bound
     me = common_pb2.KvdEndpoint(node_id=config.node_id or config.instance_id or address,
                                 address=address)

@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.env import (
+    ADDRESSES,
     BOOL,
     STR,
+    ConfigError,
     float_kind,
     int_kind,
     port_setting,
@@ -37,8 +39,14 @@ class KvdConfig(GrpcServiceConfig):
     ucx_error_handling: bool = setting(
         False, BOOL, "UCX peer-failure handling on endpoints: on between hosts (a lost peer's "
         "endpoint is then closed at once, not flushed); off keeps shared memory on one host")
-    secret: str = setting("", STR, "shared secret peers and local clients must present")
     lease_ms: int = setting(30000, int_kind(100), "default lease of a pin, milliseconds")
+    max_lease_ms: int = setting(60000, int_kind(100),
+                                "longest lease a client may ask for, milliseconds")
+    max_client_share: float = setting(
+        0.5, float_kind(0.01), "most of the pool one client (client_id) may hold pinned at once")
+    peers: tuple[str, ...] = setting(
+        (), ADDRESSES, "kvds this one may push to or pull from besides the index's registered "
+        "nodes (host:port list; without Redis, the only ones)")
     index_ttl: int = setting(300, int_kind(1), "seconds an index entry lives without refresh")
     index_prefix: str = setting("pdserve:", STR, "key prefix of the prefix index in Redis")
     heartbeat: float = setting(2.0, float_kind(0.1), "seconds between registry heartbeats")
@@ -51,6 +59,15 @@ class KvdConfig(GrpcServiceConfig):
         0, int_kind(0), "TEST HOOK: flip a byte of every Nth block sent; 0 = off")
     fault_send_delay_ms: int = setting(
         0, int_kind(0), "TEST HOOK: sleep before sending each transfer's bytes; 0 = off")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_client_share > 1:
+            raise ConfigError(f"--max-client-share: invalid value {self.max_client_share} "
+                              "(accepted: a share of the pool, 0.01..1)")
+        if self.lease_ms > self.max_lease_ms:
+            raise ConfigError(f"--lease-ms: {self.lease_ms} is above --max-lease-ms "
+                              f"{self.max_lease_ms}")
 
     @property
     def lease_s(self) -> float:

@@ -10,6 +10,7 @@ pulled from the given or indexed source; on any failure every pin the Await took
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import mmap
 import time
@@ -19,6 +20,7 @@ from multiprocessing import shared_memory
 import grpc
 import numpy as np
 
+from pdserve import auth
 from pdserve.errors import BadRequest, StatusError
 from pdserve.hashing import HASH_LEN, block_checksum
 from pdserve.index import IndexUnavailable, NodeRecord, PrefixIndex
@@ -44,7 +46,8 @@ class Kvd:
             config.ucx_tls, net_devices, config.max_message_kib * 1024,
             Faults(config.fault_corrupt_every, config.fault_send_delay_ms),
             config.ucx_error_handling)
-        self.peers = Peers(config.secret)
+        self.peers = Peers(auth.secrets().get(auth.DATA.name, ""))
+        self._registered: dict[str, bytes] = {}  # the index's kvds: address -> UCX address
         self.sync = IndexSync(index, self._record, self._present, config.heartbeat,
                               config.index_ttl)
         self.layout: L.BlockLayout | None = None
@@ -143,13 +146,18 @@ class Kvd:
             raise BadRequest(f"{field}: a block hash is {HASH_LEN} bytes, got {len(h)}")
 
     def _lease(self, lease_ms: int) -> float:
-        return lease_ms / 1000 if lease_ms else self.config.lease_s
+        """The lease of a new pin: asked for (capped at --max-lease-ms) or the default."""
+        return min(lease_ms or self.config.lease_ms, self.config.max_lease_ms) / 1000
+
+    def _quota(self, pool: Pool) -> int:
+        return max(1, int(pool.num_slots * self.config.max_client_share))
 
     def allocate(self, n: int, lease_ms: int, client_id: str) -> list[PinRecord]:
         ship = self._ship()
         if n < 1:
             raise BadRequest(f"num_slots: must be >= 1, got {n}")
         self._check_batch(n, "num_slots")
+        ship.pool.check_quota(client_id, n, self._quota(ship.pool))
         pins = ship.pool.allocate(n, client_id, self._lease(lease_ms))
         self._flush_evictions()
         return pins
@@ -160,24 +168,33 @@ class Kvd:
         pool.counters.evicted = []
 
     async def commit(self, entries: Sequence[kvd_pb2.CommitEntry],
-                     destination: common_pb2.KvdEndpoint | None,
-                     release: bool) -> kvd_pb2.CommitResponse:
+                     destination: common_pb2.KvdEndpoint | None, release: bool,
+                     client_id: str) -> kvd_pb2.CommitResponse:
+        """Publish the caller's written slots. The writer's checksum is required and must
+        match the slot: kvd never vouches for bytes it did not see written."""
         ship = self._ship()
         pool = ship.pool
         self._check_batch(len(entries), "entries")
         for i, e in enumerate(entries):  # validate everything before changing anything
             self._check_hash(e.hash, f"entries[{i}].hash")
             s = pool.check_slot(e.slot, f"entries[{i}].slot")
-            pin = pool.pins.get(e.pin_id)
+            pin = pool.own_pin(e.pin_id, client_id)
             if pin is None or pin.slot != e.slot or s.state != SlotState.WRITING:
                 raise BadRequest(f"entries[{i}].pin_id: {e.pin_id} is not a live Allocate pin on "
                                  f"slot {e.slot}")
+            if not e.checksum:
+                raise BadRequest(f"entries[{i}].checksum: required: the writer's xxh3-64 of the "
+                                 "slot's block bytes")
+            if block_checksum(ship.slot_view(e.slot)) != e.checksum:
+                raise BadRequest(f"entries[{i}].checksum: does not match the bytes of slot "
+                                 f"{e.slot} (not written, or written after the checksum)")
         if len({e.slot for e in entries}) != len(entries):
             raise BadRequest("entries: a slot appears twice")
+        if destination is not None and destination.address:
+            await self._check_peer(destination, "destination")
         slots, new = [], []
         for i, e in enumerate(entries):
-            checksum = e.checksum or block_checksum(ship.slot_view(e.slot))
-            slot = pool.commit(e.slot, e.pin_id, e.hash, checksum, f"entries[{i}]")
+            slot = pool.commit(e.slot, e.pin_id, e.hash, e.checksum, f"entries[{i}]")
             if slot == e.slot:
                 new.append(e.hash)
             slots.append(slot)
@@ -190,16 +207,27 @@ class Kvd:
             resp.push_started, resp.num_pushed = pushed is not None, pushed or 0
         return resp
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
+    async def lookup(self, hashes: Sequence[bytes], include_index: bool) -> tuple[int, int]:
+        """The leading run of ``hashes`` present here, and (with ``include_index``) the
+        longest one here or on another node per the index, which Await can pull."""
         self._check_batch(len(hashes), "hashes")
         for i, h in enumerate(hashes):
             self._check_hash(h, f"hashes[{i}]")
-        return self._ship().pool.lookup(hashes)
+        here = self._ship().pool.lookup(hashes)
+        if not include_index or self._index is None or here == len(hashes):
+            return here, here
+        try:
+            counts = await self._index.lookup(hashes)
+        except IndexUnavailable:
+            return here, here  # the index is soft state: no answer is a miss, not an error
+        elsewhere = max((c for n, c in counts.items() if n != self.me.node_id), default=0)
+        return here, max(here, min(elsewhere, len(hashes)))
 
-    def release(self, pin_ids: Sequence[int]) -> int:
+    def release(self, pin_ids: Sequence[int], client_id: str) -> int:
+        """Drop the caller's own pins; another client's pin is as unknown as a made-up one."""
         ship = self._ship()
         self._check_batch(len(pin_ids), "pin_ids")
-        unknown = [p for p in pin_ids if p not in ship.pool.pins]
+        unknown = [p for p in pin_ids if ship.pool.own_pin(p, client_id) is None]
         if unknown:
             raise BadRequest(f"pin_ids: unknown or expired pin {unknown[0]}")
         return sum(ship.pool.release(p) for p in pin_ids)
@@ -212,6 +240,7 @@ class Kvd:
         self._check_batch(len(refs), "blocks")
         for i, r in enumerate(refs):
             self._check_hash(r.hash, f"blocks[{i}].hash")
+        ship.pool.check_quota(client_id, len(refs), self._quota(ship.pool))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         pins: dict[int, PinRecord] = {}
@@ -269,6 +298,7 @@ class Kvd:
     async def _source_for(self, refs: Sequence[common_pb2.BlockRef], to_pull: list[int],
                           source: common_pb2.KvdEndpoint | None) -> common_pb2.KvdEndpoint:
         if source is not None and source.address:
+            await self._check_peer(source, "source")
             return common_pb2.KvdEndpoint(node_id=source.node_id or source.address,
                                           address=source.address)
         not_found = StatusError(grpc.StatusCode.NOT_FOUND, f"blocks[{to_pull[0]}]: block "
@@ -288,6 +318,28 @@ class Kvd:
         best = records[max(holders)[1]]
         return common_pb2.KvdEndpoint(node_id=best.node_id, address=best.address)
 
+    async def _check_peer(self, peer: common_pb2.KvdEndpoint, field: str,
+                          ucx_address: bytes = b"") -> None:
+        """Only registered kvd nodes (the index's registry, or --peers) are pushed to, pulled
+        from or sent to: a forged address would get blocks (and this kvd's credential), or
+        hand it forged bytes. With ``ucx_address``, it must be the registered node's own.
+        PERMISSION_DENIED otherwise."""
+        if peer.address == self.me.address or peer.address in self.config.peers:
+            return
+        known = self._registered.get(peer.address)
+        if (known is None or ucx_address and known != ucx_address) and self._index is not None:
+            with contextlib.suppress(IndexUnavailable):  # then what is unknown stays refused
+                self._registered = {n.address: n.ucx_address for n in await self._index.nodes()}
+            known = self._registered.get(peer.address)
+        if known is None:
+            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{field}: {peer.address} is not a registered kvd node (not in "
+                              "the prefix index's node registry, not in --peers)")
+        if ucx_address and known != ucx_address:
+            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
+                              f"{field}: the UCX address given for {peer.address} is not the "
+                              "one that node registered")
+
     # -- peers and stats ---------------------------------------------------------------------
     async def transfer(self, req: kvd_pb2.TransferRequest) -> kvd_pb2.TransferResponse:
         ship = self._ship()
@@ -301,6 +353,7 @@ class Kvd:
             raise BadRequest(f"slots: {len(req.slots)} slots for {len(req.blocks)} blocks")
         if not req.peer.node_id or not req.peer.address or not req.ucx_address:
             raise BadRequest("peer: node_id, address and ucx_address are required")
+        await self._check_peer(req.peer, "peer", req.ucx_address)
         if req.direction == kvd_pb2.TransferRequest.DIRECTION_PUSH:
             return await ship.serve_push(req)
         if req.direction == kvd_pb2.TransferRequest.DIRECTION_PULL:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.channel import SECRET_KEY, insecure_channel
+from pdserve.auth import DATA
+from pdserve.channel import insecure_channel
 from pdserve.proto.v1 import kvd_pb2_grpc
 
 _DOWN = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
@@ -14,7 +15,7 @@ class Peers:
     """Stubs to peer kvds; ``is_down`` is the cheap liveness probe the transfer watchdogs use."""
 
     def __init__(self, secret: str) -> None:
-        self.metadata = ((SECRET_KEY, secret),) if secret else ()
+        self.metadata = ((DATA.key, secret),) if secret else ()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _channel(self, address: str) -> grpc.aio.Channel:

@@ -11,13 +11,17 @@ Invariants (``check_integrity``): every slot is in exactly one state; FREE slots
 free heap and nothing else; PRESENT slots are in ``by_hash``; an unpinned PRESENT slot is in
 the LRU and a pinned one is not; pin counts equal the live pins. A pinned slot is never
 reused, so a client reading through a pin never sees its bytes rewritten.
+
+Pins belong to the client that took them: pin ids are random 63-bit numbers (unguessable),
+and ``release``/``commit`` act only on the caller's own; ``check_quota`` bounds how many slots
+one client holds pinned.
 """
 
 from __future__ import annotations
 
 import enum
 import heapq
-import itertools
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -74,7 +78,6 @@ class Pool:
         self.by_hash: dict[bytes, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # unpinned PRESENT slots, oldest first
         self.pins: dict[int, PinRecord] = {}
-        self._pin_ids = itertools.count(1)
         self.counters = PoolCounters()
 
     # -- queries ---------------------------------------------------------------------------
@@ -94,6 +97,22 @@ class Pool:
 
     def count(self, state: SlotState) -> int:
         return sum(1 for s in self.slots if s.state == state)
+
+    def pins_of(self, client_id: str) -> int:
+        return sum(1 for p in self.pins.values() if p.client_id == client_id)
+
+    def check_quota(self, client_id: str, n: int, limit: int) -> None:
+        """RESOURCE_EXHAUSTED if ``n`` more pins would put ``client_id`` above ``limit``."""
+        held = self.pins_of(client_id)
+        if held + n > limit:
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"client {client_id!r} holds {held} pinned slots; {n} more would "
+                              f"pass its quota of {limit} (--max-client-share)")
+
+    def own_pin(self, pin_id: int, client_id: str) -> PinRecord | None:
+        """The live pin ``pin_id`` if ``client_id`` took it, else None."""
+        pin = self.pins.get(pin_id)
+        return pin if pin is not None and pin.client_id == client_id else None
 
     @property
     def num_pinned(self) -> int:
@@ -153,7 +172,10 @@ class Pool:
         s = self.slots[slot]
         s.num_pins += 1
         self._lru.pop(slot, None)
-        pin = PinRecord(next(self._pin_ids), slot, client_id, self._clock() + lease_s)
+        pin_id = secrets.randbits(63)
+        while pin_id == 0 or pin_id in self.pins:
+            pin_id = secrets.randbits(63)
+        pin = PinRecord(pin_id, slot, client_id, self._clock() + lease_s)
         self.pins[pin.pin_id] = pin
         return pin
 

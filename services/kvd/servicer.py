@@ -42,12 +42,13 @@ class KvdServicer(kvd_pb2_grpc.KvdServicer):
     async def Commit(self, request: kvd_pb2.CommitRequest,
                      context: grpc.aio.ServicerContext) -> kvd_pb2.CommitResponse:
         dest = request.destination if request.HasField("destination") else None
-        return await self.kvd.commit(request.entries, dest, request.release)
+        return await self.kvd.commit(request.entries, dest, request.release, request.client_id)
 
     @rpc_handler("Lookup")
     async def Lookup(self, request: kvd_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> kvd_pb2.LookupResponse:
-        return kvd_pb2.LookupResponse(num_present=self.kvd.lookup(request.hashes))
+        here, available = await self.kvd.lookup(request.hashes, request.include_index)
+        return kvd_pb2.LookupResponse(num_present=here, num_available=available)
 
     @rpc_handler("Await")
     async def Await(self, request: kvd_pb2.AwaitRequest,
@@ -65,7 +66,8 @@ class KvdServicer(kvd_pb2_grpc.KvdServicer):
     @rpc_handler("Release")
     async def Release(self, request: kvd_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> kvd_pb2.ReleaseResponse:
-        return kvd_pb2.ReleaseResponse(num_released=self.kvd.release(request.pin_ids))
+        return kvd_pb2.ReleaseResponse(num_released=self.kvd.release(request.pin_ids,
+                                                                     request.client_id))
 
     @rpc_handler("Stats")
     async def Stats(self, request: kvd_pb2.KvdStatsRequest,

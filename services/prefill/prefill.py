@@ -9,7 +9,8 @@ A request's life on a prefill instance:
        the decode node's kvd as destination, so kvd pushes them while later chunks compute
     4. on the first token: commit whatever full block kvd does not hold yet (engine-local
        prefix hits), release the engine's pages (kvd holds the blocks now), answer with the
-       first token, the block refs (hash + xxh3 of the bytes), the tail tokens and timings
+       first token, its text (what a stop string cannot still cut), whether it ends the
+       request, the block refs (hash + xxh3 of the bytes), the tail tokens and timings
     On any failure or cancellation the engine request is aborted, which frees its pages.
 """
 
@@ -22,7 +23,6 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.engine.request import Logprob, RequestOutput
-from pdserve.engine.text import TextStream
 from pdserve.errors import StatusError
 from pdserve.hashing import hash_blocks
 from pdserve.kvd.bridge import Exported
@@ -66,7 +66,7 @@ class _Commits:
 
 async def run_prefill(inst: EngineInstance, job: PrefillJob, kvd_timeout: float) -> PrefillResult:
     bs = inst.block_size
-    hashes = hash_blocks(job.prompt, bs, inst.engine.config.fingerprint, job.cache_salt)
+    hashes = hash_blocks(job.prompt, bs, inst.engine.fingerprint, job.cache_salt)
     commits = _Commits()
     if inst.bridge is not None:
         # The engine never takes the block holding the last prompt token from cache: its
@@ -126,26 +126,12 @@ async def _finish(inst: EngineInstance, job: PrefillJob, final: RequestOutput, h
     await _commit(inst, list(zip(block_hashes, page_ids, strict=True)), job.destination, commits)
     await inst.aengine.release(job.request_id)
     num_full = len(hashes)
-    first = final.new_token_ids[0]
-    text = TextStream(inst.engine.tokenizer, job.prompt).add([first])
+    # The engine's own stop rules decided whether the first token ends the request; its
+    # text leaves out what a decode engine, replaying that token, releases later.
     return PrefillResult(
-        first_token_id=first, first_logprob=final.logprobs[0] if final.logprobs else None,
+        first_token_id=final.new_token_ids[0],
+        first_logprob=final.logprobs[0] if final.logprobs else None,
         blocks=[commits.done.get(h, Exported(h, 0)) for h in hashes],
         tail_token_ids=job.prompt[num_full * inst.block_size:],
         cached_tokens=final.num_prefix_hit_tokens,
-        finish_reason=_first_finish(inst, job, first, text), text=text)
-
-
-def _first_finish(inst: EngineInstance, job: PrefillJob, token: int, text: str) -> str | None:
-    """Whether the first token already ends the request. The engine ran it prefill_only and
-    so always says "stop"; the request's own stop rules decide here."""
-    params = job.params
-    if token in params.stop_token_ids:
-        return "stop"
-    if not params.ignore_eos and token in inst.engine.config.eos_token_ids:
-        return "stop"
-    if any(s in text for s in params.stop):
-        return "stop"
-    if params.max_tokens <= 1 or len(job.prompt) + 1 >= inst.engine.max_model_len:
-        return "length"
-    return None
+        finish_reason=final.finish_reason, text=final.text)

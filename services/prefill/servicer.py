@@ -61,7 +61,8 @@ def _result_to_proto(result: PrefillResult, inst: EngineInstance,
         finish_reason=finish_to_proto(result.finish_reason), text=result.text)
     if result.first_logprob is not None and job.params.logprobs is not None:
         out.first_logprobs.CopyFrom(logprobs_to_proto(result.first_token_id,
-                                                      result.first_logprob))
+                                                      result.first_logprob,
+                                                      inst.engine.tokenizer))
     if inst.bridge is not None:
         out.source.CopyFrom(inst.bridge.endpoint)
     return out

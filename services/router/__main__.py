@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from pdserve import auth
 from pdserve.server import Service, make_server, run_grpc_main
 from services.router.config import RouterConfig
 from services.router.core import Router
@@ -37,6 +38,7 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
         redis = aioredis.Redis.from_url(config.redis_url, socket_timeout=1.0,
                                         socket_connect_timeout=1.0)
     pool = InstancePool(config.prefill, config.decode, redis, config.registry_prefix,
+                        credentials=auth.metadata([auth.DATA, auth.ADMIN]),
                         check_timeout=min(1.0, max(0.2, config.poll_interval)))
     quotas = load_quotas(config.quotas_file) if config.quotas_file else {}
     return Router(
@@ -53,7 +55,8 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
 async def create_server(config: RouterConfig, model: ModelSpec | None = None,
                         index: PrefixLookup | None = None) -> Service:
     router = build_router(config, model, index)
-    svc = make_server(config.host, config.port, servicers(router))
+    svc = make_server(config.host, config.port, servicers(router),
+                      rules=[("/pdserve.v1.Router/", auth.CLIENT)])
     svc.on_start.append(router.start)
     svc.on_stop.append(router.stop)
     return svc

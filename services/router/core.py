@@ -42,7 +42,7 @@ from services.router.model import ModelSpec
 from services.router.policy import Choice, RouteQuery, RoutingPolicy
 from services.router.prefix import IndexClient
 from services.router.quotas import QuotaBook, QuotaExceeded
-from services.router.requests import Prepared, RouterLimits, prepare
+from services.router.requests import RouterLimits, prepare
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,24 @@ def _is_heavy(request: router_pb2.GenerateRequest) -> bool:
     if kind == "chat":
         return sum(len(m.content) for m in request.chat.messages) > HEAVY_PROMPT
     return kind == "prompt_token_ids" and len(request.prompt_token_ids.ids) > HEAVY_PROMPT
+
+
+@dataclass
+class Group:
+    """Instances whose blocks hash alike (one ``kv_fingerprint``), by role."""
+
+    fingerprint: str
+    prefills: list[Instance] = field(default_factory=list)
+    decodes: list[Instance] = field(default_factory=list)
+    colocated: list[Instance] = field(default_factory=list)
+
+    def add(self, role: common_pb2.Role, inst: Instance) -> None:
+        members = {common_pb2.ROLE_PREFILL: self.prefills, common_pb2.ROLE_DECODE: self.decodes,
+                   common_pb2.ROLE_COLOCATED: self.colocated}
+        members[role].append(inst)
+
+    def size(self) -> int:
+        return len(self.prefills) + len(self.decodes) + len(self.colocated)
 
 
 @dataclass
@@ -112,10 +130,11 @@ class Router:
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream the answer to ``request``; raises ``StatusError`` for a status to return."""
         arrived = time.perf_counter()
-        if _is_heavy(request):  # tokenizing and hashing a long prompt must not stall the loop
-            prepared, hashes = await asyncio.to_thread(self._prepare, request)
+        heavy = _is_heavy(request)  # tokenizing and hashing a long prompt must not stall the loop
+        if heavy:
+            prepared = await asyncio.to_thread(prepare, request, self.model, self.limits)
         else:
-            prepared, hashes = self._prepare(request)
+            prepared = prepare(request, self.model, self.limits)
         tenant = prepared.meta.tenant
         cost = len(prepared.prompt_ids) + prepared.sampling.max_tokens
         if self.num_in_flight >= self.max_concurrent:
@@ -135,9 +154,13 @@ class Router:
         metrics.IN_FLIGHT.inc()
         self.counters.num_requests += 1
         try:
+            group = self._group()
+            args = (prepared.prompt_ids, self.block_size, group.fingerprint,
+                    prepared.meta.cache_salt)
+            hashes = await asyncio.to_thread(hash_blocks, *args) if heavy else hash_blocks(*args)
             flow.query = RouteQuery(len(prepared.prompt_ids), self.block_size, len(hashes),
                                     await self.index.lookup(hashes))
-            async for message in self._run(flow):
+            async for message in self._run(flow, group):
                 yield message
             flow.is_finished = True
         finally:
@@ -152,15 +175,24 @@ class Router:
             span.set_attribute("pdserve.completion_tokens", flow.num_tokens_sent)
             span.end()
 
-    def _prepare(self, request: router_pb2.GenerateRequest) -> tuple[Prepared, list[bytes]]:
-        prepared = prepare(request, self.model, self.limits)
-        hashes = hash_blocks(prepared.prompt_ids, self.block_size, self.model.fingerprint,
-                             prepared.meta.cache_salt)
-        return prepared, hashes
+    def _group(self) -> Group:
+        """The healthy instances that can serve together: prefill and decode engines (else
+        colocated ones) sharing one block fingerprint, the largest such group. An engine
+        that has not reported its fingerprint is taken to use the model's."""
+        groups: dict[str, Group] = {}
+        for role in (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_COLOCATED):
+            for inst in self.pool.healthy(role):
+                fp = inst.stats.kv_fingerprint or self.model.fingerprint
+                groups.setdefault(fp, Group(fp)).add(role, inst)
+        disaggregated = [g for g in groups.values() if g.prefills and g.decodes]
+        colocated = [g for g in groups.values() if g.colocated]
+        best = max(disaggregated or colocated, key=Group.size, default=None)
+        if best is None:
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, self._no_capacity())
+        return best
 
-    async def _run(self, flow: Flow) -> AsyncIterator[router_pb2.GenerateResponse]:
-        prefills = self.pool.healthy(common_pb2.ROLE_PREFILL)
-        decodes = self.pool.healthy(common_pb2.ROLE_DECODE)
+    async def _run(self, flow: Flow, group: Group) -> AsyncIterator[router_pb2.GenerateResponse]:
+        prefills, decodes = group.prefills, group.decodes
         first = None
         if prefills and decodes:
             first = await run_prefill(flow, self.policy, self.pool, prefills, decodes)
@@ -169,9 +201,7 @@ class Router:
                 yield first
                 return
         else:
-            decodes = self.pool.healthy(common_pb2.ROLE_COLOCATED)
-            if not decodes:
-                raise StatusError(grpc.StatusCode.UNAVAILABLE, self._no_capacity())
+            decodes = group.colocated
             flow.choice = self._place_colocated(flow, decodes)
             self._count_placement(flow)
         try:

@@ -82,7 +82,7 @@ def _rpc_error(exc: grpc.RpcError, where: str) -> StatusError:
     code = exc.code()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return StatusError(code, f"deadline exceeded waiting for {where}")
-    return StatusError(code, f"{where}: {exc.details()}")
+    return StatusError.relay(exc, where)  # the peer's field violations and RetryInfo too
 
 
 async def run_prefill(flow: Flow, policy: RoutingPolicy, pool: InstancePool,

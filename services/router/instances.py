@@ -47,6 +47,7 @@ class Instance:
     kvd_address: str = ""
     model: str = ""
     is_static: bool = False
+    credentials: tuple[tuple[str, str], ...] = ()  # presented on every call (pdserve.auth)
     is_healthy: bool = False
     stats: engine_pb2.EngineStats = field(default_factory=engine_pb2.EngineStats)
     # This router's view, fresher than the polled stats between polls.
@@ -70,7 +71,8 @@ class Instance:
         # One channel per instance for its whole life: no per-request connection setup.
         # Keepalive: calls on an instance whose node is partitioned or lost fail (and are
         # retried elsewhere) in seconds, instead of hanging until their deadline.
-        self.channel = insecure_channel(self.address, *RECONNECT_OPTIONS, *KEEPALIVE_OPTIONS)
+        self.channel = insecure_channel(self.address, *RECONNECT_OPTIONS, *KEEPALIVE_OPTIONS,
+                                        credentials=self.credentials)
         self.prefill = engine_pb2_grpc.PrefillStub(self.channel)
         self.decode = engine_pb2_grpc.DecodeStub(self.channel)
         self.engine = engine_pb2_grpc.EngineStub(self.channel)
@@ -111,8 +113,10 @@ class InstancePool:
 
     def __init__(self, static_prefill: Iterable[str], static_decode: Iterable[str],
                  redis: Any = None, registry_prefix: str = "pdserve:",
-                 check_timeout: float = 1.0) -> None:
+                 check_timeout: float = 1.0,
+                 credentials: tuple[tuple[str, str], ...] = ()) -> None:
         self.redis = redis
+        self.credentials = credentials
         self.registry_prefix = registry_prefix
         self.check_timeout = check_timeout
         self.instances: dict[str, Instance] = {}
@@ -121,7 +125,8 @@ class InstancePool:
         for role, addresses in ((common_pb2.ROLE_PREFILL, static_prefill),
                                 (common_pb2.ROLE_DECODE, static_decode)):
             for address in addresses:
-                self.instances[address] = Instance(address, role, is_static=True)
+                self.instances[address] = Instance(address, role, is_static=True,
+                                                   credentials=credentials)
 
     def healthy(self, role: int) -> list[Instance]:
         return [i for i in self.instances.values() if i.is_healthy and i.role == role]
@@ -164,7 +169,8 @@ class InstancePool:
             if address not in self.instances:
                 log.info("instance registered", extra={"fields": {
                     "instance": record.instance_id, "role": record.role, "address": address}})
-                self.instances[address] = Instance(address, Role(record.role).proto)
+                self.instances[address] = Instance(address, Role(record.role).proto,
+                                                   credentials=self.credentials)
             self.instances[address].update(record)
         for address, inst in list(self.instances.items()):
             if not inst.is_static and address not in live:

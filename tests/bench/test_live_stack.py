@@ -27,7 +27,9 @@ def test_short_run_against_pdserve_up(tmp_path: Path) -> None:
             "turn_output": [4, 4]})
         load = LoadSettings(workload=spec, rates=(math.inf,), num_requests=4, progress=False,
                             request_timeout_s=60)
-        (run,) = run_load(Target(router=info.router), load)
+        assert info.router_credentials  # pdserve up protects its router; the bench presents
+        (run,) = run_load(Target(router=info.router, router_credentials=info.router_credentials),
+                          load)
         assert run.summary.num_errors == 0 and run.summary.num_ok == 4
-        counters = asyncio.run(router_counters(info.router))
+        counters = asyncio.run(router_counters(info.router, info.router_credentials))
         assert counters["prompt_blocks"] > 0

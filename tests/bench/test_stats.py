@@ -102,3 +102,39 @@ def test_parse_chunk_token_counting_rules() -> None:
     assert parse_chunk(cont, "completions", 4) == (3, "abc", False)
     final_usage = {"choices": [], "usage": {"completion_tokens": 7, "prompt_tokens": 3}}
     assert parse_chunk(final_usage, "completions", 7)[0] == 0
+
+
+def test_prefix_reuse_of_later_turns_against_the_oracle() -> None:
+    def turn(conv: int, index: int, tokens_in: int, tokens_out: int, cached: int | None,
+             error: str | None = None) -> RequestResult:
+        return RequestResult(conversation=conv, turn=index, kind="multiturn", start_s=0.0,
+                             e2e_s=1.0, ttft_s=0.1, tpot_s=0.01, itls_s=(), tokens_in=tokens_in,
+                             tokens_out=tokens_out, cached_tokens=cached, error=error)
+
+    results = [
+        turn(0, 0, 83, 40, 0),    # first turns are not counted
+        turn(0, 1, 140, 20, 112),  # oracle: min(83 + 40 - 1, 139) // 16 * 16 = 112
+        turn(0, 2, 180, 10, 144),  # oracle: min(140 + 20 - 1, 179) // 16 * 16 = 144
+        turn(1, 0, 20, 5, 0),
+        turn(1, 1, 30, 5, None, error="timeout"),  # failed: not counted
+    ]
+    s = summarize(results, block_size=16)
+    assert s.extra == {"later_turns": 2, "later_turn_cached_tokens": 256,
+                       "later_turn_oracle_tokens": 256, "cached_of_oracle": 1.0}
+    assert "later turns 2: cached 256 of an oracle 256 prompt tokens (100.0%)" in format_table(s)
+    assert summarize(results[:1]).extra == {}  # nothing multiturn: no reuse line
+
+
+def test_bench_detok_runs_and_prints_json() -> None:
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "detok", "--lengths",
+                           "10", "40", "--repeats", "1", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["num_tokens"] for r in rows] == [10, 40]
+    assert all(r["incremental_us_per_token"] > 0 and r["redecode_us_per_token"] > 0
+               for r in rows)

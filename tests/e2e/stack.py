@@ -12,6 +12,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import grpc
+
+from pdserve import auth
 
 ROOT = Path(__file__).resolve().parents[2]
 _PROC_LINE = re.compile(r"^  (\S+)\s+([\d.]+):(\d+)$")
@@ -35,6 +40,7 @@ class UpStack:
     base_url: str = ""
     router: str = ""
     redis_url: str = ""
+    secrets_dir: str = ""
     lines: list[str] = field(default_factory=list)
 
     def start(self, timeout: float = 240.0) -> UpStack:
@@ -61,10 +67,32 @@ class UpStack:
                 self.router = line.split(": ", 1)[1]
             elif line.startswith("pdserve redis: "):
                 self.redis_url = line.split(": ", 1)[1]
+            elif line.startswith("pdserve secrets: "):
+                self.secrets_dir = line.split(": ", 1)[1]
             elif line.startswith("pdserve ready: "):
                 self.base_url = line.split(": ", 1)[1]
                 ready.set()
         ready.set()  # exited before becoming ready: start() reports its output
+
+    def secret(self, cred: auth.Credential) -> str:
+        """One of the stack's credentials, from the directory ``pdserve up`` printed."""
+        return (Path(self.secrets_dir) / cred.var).read_text().strip()
+
+    def metadata(self, *creds: auth.Credential) -> tuple[tuple[str, str], ...]:
+        return tuple((c.key, self.secret(c)) for c in creds or auth.CREDENTIALS)
+
+    def role_env(self) -> dict[str, str]:
+        """The environment of one more of the stack's services (every credential, Redis)."""
+        out = child_env()
+        out.update({c.var: self.secret(c) for c in auth.CREDENTIALS})
+        out["REDIS_URL"] = (Path(self.secrets_dir) / "REDIS_URL").read_text().strip()
+        return out
+
+    def channel(self, address: str, *creds: auth.Credential) -> grpc.Channel:
+        """A blocking channel to one of the stack's services presenting ``creds`` (default:
+        every credential; the test acts for whichever process it needs)."""
+        return grpc.intercept_channel(grpc.insecure_channel(address),
+                                      _Present(self.metadata(*creds)))
 
     def pid_listening(self, service: str, port: int) -> int:
         """The pid of ``services.<service>`` started with ``--port <port>`` (or redis-server)."""
@@ -109,3 +137,29 @@ def wait_until(check, timeout: float, interval: float = 0.25):  # type: ignore[n
     if last is not None:
         raise last
     raise TimeoutError(f"condition not met within {timeout}s")
+
+
+class _Present(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Blocking-channel twin of ``pdserve.auth.Presenter``."""
+
+    def __init__(self, pairs: tuple[tuple[str, str], ...]) -> None:
+        self.pairs = pairs
+
+    def _with(self, details: Any) -> Any:
+        return _Details(details.method, details.timeout,
+                        [*(details.metadata or ()), *self.pairs], details.credentials,
+                        details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with(details), request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, method: str, timeout: float | None, metadata: Any, credentials: Any,
+                 wait_for_ready: bool | None, compression: Any) -> None:
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready = credentials, wait_for_ready
+        self.compression = compression

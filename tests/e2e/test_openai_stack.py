@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from pdserve import LLM, SamplingParams
-from tests.e2e.stack import ROOT, UpStack, child_env, wait_until
+from tests.e2e.stack import ROOT, UpStack, wait_until
 
 KEY = "sk-e2e-test"
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog. " * 6]
@@ -143,7 +143,8 @@ def test_dead_decode_fails_fast_then_recovers_without_router_restart(
     assert err.value.status_code == 503
     assert time.monotonic() - start < 10
     # Restart the same instance on the same address; the router must find it by itself.
-    restarted = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+    # Its environment as pdserve up gave it: the stack's credentials and Redis.
+    restarted = subprocess.Popen(argv, cwd=ROOT, env=stack.role_env(), stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, text=True)
     try:
         assert restarted.stdout is not None and "listening on" in restarted.stdout.readline()

@@ -7,11 +7,10 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
 from pdserve.proto.v1 import common_pb2, router_pb2, router_pb2_grpc
-from tests.e2e.stack import ROOT, UpStack, child_env
+from tests.e2e.stack import ROOT, UpStack
 
 TURN_1 = "Tell me about paged attention and block tables in serving systems. " * 4
 TURN_2_SUFFIX = " And what about prefix caching across many turns of a chat?"
@@ -32,8 +31,9 @@ def round_robin_router(stack: UpStack) -> Iterator[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.router", "--port", "0", "--model", "tiny",
          "--policy", "round_robin", "--prefill", prefill, "--decode",
-         stack.addresses["decode-0"], "--redis-url", stack.redis_url],
-        cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+         stack.addresses["decode-0"]],
+        cwd=ROOT, env=stack.role_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert "listening on" in line, line
@@ -42,8 +42,8 @@ def round_robin_router(stack: UpStack) -> Iterator[str]:
     proc.wait(timeout=15)
 
 
-def _generate(address: str, prompt: str) -> tuple[router_pb2.Placement, str]:
-    with grpc.insecure_channel(address) as channel:
+def _generate(stack: UpStack, address: str, prompt: str) -> tuple[router_pb2.Placement, str]:
+    with stack.channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         req = router_pb2.GenerateRequest(
             model="tiny", prompt=prompt,
@@ -57,18 +57,18 @@ def _generate(address: str, prompt: str) -> tuple[router_pb2.Placement, str]:
     return placement, text
 
 
-def _state(address: str) -> router_pb2.ClusterStateResponse:
-    with grpc.insecure_channel(address) as channel:
+def _state(stack: UpStack, address: str) -> router_pb2.ClusterStateResponse:
+    with stack.channel(address) as channel:
         return router_pb2_grpc.RouterStub(channel).ClusterState(
             router_pb2.ClusterStateRequest(), timeout=10)
 
 
-def _wait_healthy(address: str) -> None:
+def _wait_healthy(stack: UpStack, address: str) -> None:
     import time
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        state = _state(address)
+        state = _state(stack, address)
         if sum(1 for i in state.instances if i.healthy) == 3:
             return
         time.sleep(0.2)
@@ -76,22 +76,22 @@ def _wait_healthy(address: str) -> None:
 
 
 def test_cache_aware_follows_the_prefix(stack: UpStack) -> None:
-    _wait_healthy(stack.router)
-    first, answer = _generate(stack.router, TURN_1)
+    _wait_healthy(stack, stack.router)
+    first, answer = _generate(stack, stack.router, TURN_1)
     assert first.cached_blocks == 0
     for _ in range(2):  # every later turn goes back to the node that holds the prefix
-        second, _ = _generate(stack.router, TURN_1 + answer + TURN_2_SUFFIX)
+        second, _ = _generate(stack, stack.router, TURN_1 + answer + TURN_2_SUFFIX)
         assert second.prefill_instance == first.prefill_instance
         assert second.cached_blocks >= first.prompt_tokens // 16 > 0
-    state = _state(stack.router)
+    state = _state(stack, stack.router)
     assert state.policy == "cache_aware" and state.num_prefix_hit_blocks > 0
 
 
 def test_round_robin_does_not_follow_the_prefix(stack: UpStack,
                                                 round_robin_router: str) -> None:
-    _wait_healthy(round_robin_router)
+    _wait_healthy(stack, round_robin_router)
     prompt = "A different conversation about UCX transports and shared memory pools. " * 4
-    first, answer = _generate(round_robin_router, prompt)
-    second, _ = _generate(round_robin_router, prompt + answer + TURN_2_SUFFIX)
+    first, answer = _generate(stack, round_robin_router, prompt)
+    second, _ = _generate(stack, round_robin_router, prompt + answer + TURN_2_SUFFIX)
     assert second.prefill_instance != first.prefill_instance
-    assert _state(round_robin_router).policy == "round_robin"
+    assert _state(stack, round_robin_router).policy == "round_robin"

@@ -37,9 +37,9 @@ def test_prefill_export_import_decode_equals_single_engine() -> None:
     assert a.stats().num_held == len(prompts)
     wires = []
     for p, (final, streamed) in zip(prompts, results, strict=True):
-        assert final.finish_reason == "stop" and len(final.new_token_ids) == 1
+        assert final.finished and final.finish_reason is None and len(final.new_token_ids) == 1
         assert final.block_hashes is not None and final.page_ids is not None
-        assert final.block_hashes == hash_blocks(p, 16, a.config.fingerprint)
+        assert final.block_hashes == hash_blocks(p, 16, a.fingerprint)
         assert list(zip(final.block_hashes, final.page_ids, strict=True)) == streamed
         # The wire buffer may be any memory, e.g. a view of a shared-memory segment.
         n = len(final.page_ids)
@@ -83,7 +83,7 @@ def test_export_rejects_bad_shapes_and_pages() -> None:
         a.export_blocks([8], torch.empty(1, *a.cache.block_shape))
     with pytest.raises(ValueError, match="hashes"):
         a.import_blocks([b"x" * 32], torch.empty(2, *a.cache.block_shape))
-    with pytest.raises(ValueError, match="not a held"):
+    with pytest.raises(ValueError, match="not a finished held request"):
         a.release("nope")
 
 

@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "libs")]
 
 from pdserve.proto.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
 from services.gateway.app import FastPath, create_app  # noqa: E402
-from services.gateway.auth import KeyStore  # noqa: E402
+from services.gateway.auth import CacheSalter, KeyStore  # noqa: E402
 from services.gateway.config import GatewayConfig  # noqa: E402
 from services.gateway.metrics import GatewayMetrics  # noqa: E402
 from services.gateway.servicer import Gateway  # noqa: E402
@@ -156,7 +156,7 @@ class _InstantRouter:
 async def _handler_us(path: str, body: dict[str, object], num: int) -> float:
     """Median microseconds of one request through the ASGI app, router answering at once."""
     gw = Gateway(GatewayConfig(port=0), _InstantRouter(), KeyStore(),  # type: ignore[arg-type]
-                 GatewayMetrics())
+                 GatewayMetrics(), CacheSalter("bench"))
     app = FastPath(create_app(gw), gw)
     raw = json.dumps(body).encode()
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",

@@ -2,16 +2,17 @@
 
 The prompt (or a chat's last message) picks the script:
 
-    "quota"     RESOURCE_EXHAUSTED with trailing metadata retry-after: 7
-    "busy"      UNAVAILABLE
-    "badparam"  INVALID_ARGUMENT naming max_tokens
+    "quota"     RESOURCE_EXHAUSTED retrying after 7 s (RetryInfo, retry-after trailer)
+    "busy"      UNAVAILABLE (RetryInfo: the default 1 s)
+    "badparam"  INVALID_ARGUMENT: a field violation of sampling.max_tokens
     "midfail"   two tokens, then INTERNAL
     "abort"     one token, then finish_reason ABORT
     "hang"      placement and one token, then waits until cancelled (recorded in ``cancelled``)
     "hangfirst" waits until cancelled before sending anything
     anything    the reply REPLY one token a message, honouring max_tokens, stop and seed
 
-Unknown models get NOT_FOUND. Every request is recorded in ``requests``.
+Errors go out as the real router's do (``pdserve.errors``). Unknown models get NOT_FOUND.
+Every request is recorded in ``requests``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from pdserve.errors import BadRequest, StatusError, abort_with
 from pdserve.proto.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 MODEL = "tiny"
@@ -61,15 +63,17 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         self.metadata.append({k: v for k, v in context.invocation_metadata() or ()
                               if isinstance(v, str)})
         if req.model != MODEL:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model: {req.model!r} is not served")
+            await abort_with(context, StatusError(grpc.StatusCode.NOT_FOUND,
+                                                  f"model: {req.model!r} is not served"))
         text = prompt_text(req)
         if text == "quota":
-            context.set_trailing_metadata((("retry-after", "7"),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant token rate exceeded")
+            await abort_with(context, StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                  "tenant token rate exceeded", retry_after=7))
         if text == "busy":
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance")
+            await abort_with(context, StatusError(grpc.StatusCode.UNAVAILABLE,
+                                                  "no healthy decode instance"))
         if text == "badparam":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: must be <= 4096")
+            await abort_with(context, BadRequest("sampling.max_tokens: must be <= 4096"))
         if text == "hangfirst":
             await self._wait_cancelled(req)
         placement = router_pb2.Placement(prefill_instance="p0", decode_instance="d0",
@@ -131,10 +135,12 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
                ) -> router_pb2.GenerateResponse:
         msg = router_pb2.GenerateResponse(token_ids=[TOKEN_BASE + i], text=word)
         if req.sampling.HasField("logprobs"):
-            top = [common_pb2.TokenLogprob(token_id=TOKEN_BASE + i, logprob=-0.25)]
-            top += [common_pb2.TokenLogprob(token_id=1000 + k, logprob=-2.0 - k)
+            sampled = common_pb2.TokenLogprob(token_id=TOKEN_BASE + i, logprob=-0.25,
+                                              token=word, token_bytes=word.encode())
+            top = [sampled]
+            top += [common_pb2.TokenLogprob(token_id=1000 + k, logprob=-2.0 - k,
+                                            token=f"alt{k}", token_bytes=f"alt{k}".encode())
                     for k in range(req.sampling.logprobs - 1)]
-            msg.logprobs.append(common_pb2.PositionLogprobs(
-                sampled=common_pb2.TokenLogprob(token_id=TOKEN_BASE + i, logprob=-0.25),
-                top=top[: req.sampling.logprobs]))
+            msg.logprobs.append(common_pb2.PositionLogprobs(sampled=sampled,
+                                                            top=top[: req.sampling.logprobs]))
         return msg

@@ -142,7 +142,7 @@ def test_chat_logprobs(stack: Stack) -> None:
     for i, entry in enumerate(content):
         assert entry.logprob == -0.25 and entry.bytes == list(REPLY[i].encode())
         assert [(t.token, t.logprob) for t in entry.top_logprobs] == \
-            [(REPLY[i], -0.25), ("token_id:1000", -2.0)]
+            [(REPLY[i], -0.25), ("alt0", -2.0)]
     out = stack.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}])
     assert out.choices[0].logprobs is None

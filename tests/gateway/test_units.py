@@ -7,6 +7,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pdserve.errors import BadRequest, StatusError
 from services.gateway.auth import KeyStore, default_tenant
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError, from_rpc_error
@@ -31,7 +32,8 @@ def test_keys_file(tmp_path: Path) -> None:
 def test_keys_file_errors(tmp_path: Path) -> None:
     path = tmp_path / "keys"
     path.write_text("sk-a\nbad key,t\n")
-    with pytest.raises(ValueError, match="--keys-file: line 2: expected 'key\\[,tenant\\]'"):
+    with pytest.raises(ValueError, match="--keys-file: line 2: expected "
+                       "'key\\[,tenant\\[,cache_group\\]\\]'"):
         KeyStore.load(str(path), [])
     with pytest.raises(ValueError, match="--keys-file: cannot read"):
         KeyStore.load(str(tmp_path / "missing"), [])
@@ -59,29 +61,41 @@ def test_config_from_env() -> None:
     assert (config.port, config.api_keys, config.max_choices) == (0, ("a", "b"), 4)
 
 
-def _rpc_error(code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()
-               ) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+def _rpc_error(exc: StatusError) -> grpc.aio.AioRpcError:
+    """The error a client sees when a pdserve service answers ``exc`` (same trailers)."""
+    status = exc.to_status()
+    return grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(),
+                                grpc.aio.Metadata(*status.trailing_metadata), status.details)
 
 
-@pytest.mark.parametrize(("code", "details", "status", "param"), [
-    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k: must be >= -1", 400, "top_k"),
-    (grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens must be >= 1, got 0", 400,
-     "max_tokens"),
-    (grpc.StatusCode.INVALID_ARGUMENT, "chat.messages[1].role: 'x' is not one of", 400,
-     "messages[1].role"),
-    (grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: 4097 tokens, more than 4096", 400,
-     "prompt"),
-    (grpc.StatusCode.INVALID_ARGUMENT, "-- no field here", 400, None),
-    (grpc.StatusCode.NOT_FOUND, "no such model", 404, "model"),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "quota", 429, None),
-    (grpc.StatusCode.UNAVAILABLE, "no capacity", 503, None),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, "", 504, None),
-    (grpc.StatusCode.INTERNAL, "boom", 500, None),
+_BAD, _CODE = BadRequest, grpc.StatusCode
+
+
+@pytest.mark.parametrize(("exc", "status", "param", "retry_after"), [
+    (_BAD("sampling.top_k: must be >= -1"), 400, "top_k", None),
+    (_BAD("sampling.max_tokens must be >= 1, got 0"), 400, "max_tokens", None),
+    (_BAD("chat.messages[1].role: 'x' is not one of"), 400, "messages[1].role", None),
+    (_BAD("prompt_token_ids: 4097 tokens, more than 4096"), 400, "prompt", None),
+    (_BAD("this message names no field", field="meta.priority"), 400, "priority", None),
+    (StatusError(_CODE.INVALID_ARGUMENT, "-- no field here"), 400, None, None),
+    (StatusError(_CODE.NOT_FOUND, "no such model"), 404, "model", None),
+    (StatusError(_CODE.RESOURCE_EXHAUSTED, "quota", retry_after=2.5), 429, None, "3"),
+    (StatusError(_CODE.UNAVAILABLE, "no capacity"), 503, None, "1"),
+    (StatusError(_CODE.DEADLINE_EXCEEDED, ""), 504, None, None),
+    (StatusError(_CODE.INTERNAL, "boom"), 500, None, None),
 ])
-def test_status_mapping(code: grpc.StatusCode, details: str, status: int, param: str | None
-                        ) -> None:
-    err = from_rpc_error(_rpc_error(code, details, (("retry-after", "3"),)))
+def test_status_mapping_reads_the_rich_details(exc: StatusError, status: int, param: str | None,
+                                               retry_after: str | None) -> None:
+    err = from_rpc_error(_rpc_error(exc))
     assert (err.status, err.param) == (status, param)
-    assert err.message == (details or code.name) and err.headers == {"Retry-After": "3"}
+    assert err.message == (exc.message or exc.code.name)
+    assert err.headers == ({"Retry-After": retry_after} if retry_after else {})
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_status_without_details_maps_code_and_message_only() -> None:
+    """A status from gRPC itself or a proxy has no details: no param guessed from the text."""
+    err = from_rpc_error(grpc.aio.AioRpcError(
+        grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(),
+        grpc.aio.Metadata(("retry-after", "3")), "sampling.top_k: must be >= -1"))
+    assert (err.status, err.param, err.headers) == (400, None, {})

@@ -22,13 +22,15 @@ BLOCK = dict(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype="fl
 class KvdProc:
     """One kvd subprocess; ``address`` once it printed its ready line."""
 
-    def __init__(self, *args: str, node_id: str = "", port: int = 0,
+    def __init__(self, *args: str, node_id: str = "", port: int = 0, secret: str = "",
                  log_level: str = "warning") -> None:
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.node_id = node_id or self.address
         env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}", "PDSERVE_LOG_LEVEL":
                log_level}
+        if secret:  # the data-plane credential, as pdserve up hands it over: never a flag
+            env["PDSERVE_SECRET"] = secret
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.kvd", "--port", str(self.port), "--node-id",
              self.node_id, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -26,9 +26,10 @@ Factory = tuple[str, list[KvdProc]]
 
 
 def start(factory: Factory, redis_url: str, *extra: str, node_id: str = "",
-          log_level: str = "warning") -> KvdProc:
+          secret: str = "", log_level: str = "warning") -> KvdProc:
     prefix, procs = factory
-    p = KvdProc(*common_args(redis_url, prefix, *extra), node_id=node_id, log_level=log_level)
+    p = KvdProc(*common_args(redis_url, prefix, *extra), node_id=node_id, secret=secret,
+                log_level=log_level)
     procs.append(p)
     return p
 
@@ -212,8 +213,8 @@ async def test_pins_of_a_dead_client_expire(kvd_factory: Factory, redis_url: str
 async def test_full_pool_eviction_restart_purge_and_bad_input(kvd_factory: Factory,
                                                              redis_url: str) -> None:
     big = BlockLayout(8, 16, 2, 16, "float16")  # 16 KiB: 1 MiB pool = 64 slots
-    args = ("--capacity-mib", "1", "--max-batch-blocks", "64", "--secret", "s3")
-    c_proc = start(kvd_factory, redis_url, *args, node_id="node-c")
+    args = ("--capacity-mib", "1", "--max-batch-blocks", "64", "--max-client-share", "1")
+    c_proc = start(kvd_factory, redis_url, *args, node_id="node-c", secret="s3")
     c = await client(c_proc, big, secret="s3")
     index = RedisPrefixIndex(redis_url, prefix=kvd_factory[0])
 
@@ -245,7 +246,7 @@ async def test_full_pool_eviction_restart_purge_and_bad_input(kvd_factory: Facto
     keys = [f"{kvd_factory[0]}blk:{h.hex()}" for h in hashes[10:]]
     assert all(raw.zscore(k, "node-c") for k in keys)
     c_proc.kill()  # a restarted kvd purges its previous epoch's entries
-    c2 = start(kvd_factory, redis_url, *args, node_id="node-c")
+    c2 = start(kvd_factory, redis_url, *args, node_id="node-c", secret="s3")
     epoch = (await _stats(c2)).epoch
 
     async def purged() -> bool:  # raw entries, not the liveness-filtered lookup

@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 import transformers
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from pdserve.models import builtin_tokenizer
-from pdserve.tokenizer import DetokenizeState, Tokenizer
+from pdserve.tokenizer import Tokenizer
 
 TOK = builtin_tokenizer()
 TEXTS = ["Hello, world!", "The river starts as a thin line.", "naïve café — 你好, мир 🙂",
@@ -97,34 +95,3 @@ def test_chat_template_jinja_file_is_used(tmp_path: Path, builtin_dirs: dict[str
         "{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     assert Tokenizer.from_dir(directory).apply_chat_template(
         [{"role": "user", "content": "a"}]) == "[a]"
-
-
-def _stream(ids: list[int], prompt: list[int], skip: bool) -> str:
-    state = DetokenizeState.from_prompt(prompt, skip_special_tokens=skip)
-    deltas = [TOK.decode_incremental(state, i) for i in ids]
-    return "".join(deltas) + TOK.flush(state)
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.text(max_size=40), st.booleans())
-def test_incremental_equals_full_decode_on_text(text: str, skip: bool) -> None:
-    prompt = TOK.encode("Question:")
-    ids = TOK.encode(text, add_special_tokens=False)
-    full = TOK.decode(prompt + ids, skip)
-    assert TOK.decode(prompt, skip) + _stream(ids, prompt, skip) == full
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(0, 511), max_size=30), st.booleans())
-def test_incremental_equals_full_decode_on_any_ids(ids: list[int], skip: bool) -> None:
-    """Random ids include lone UTF-8 continuation bytes and specials."""
-    assert _stream(ids, [], skip) == TOK.decode(ids, skip)
-
-
-def test_incremental_never_emits_half_a_character() -> None:
-    ids = TOK.encode("你好🙂", add_special_tokens=False)
-    assert len(ids) > 3  # multi-byte characters split across tokens
-    state = DetokenizeState()
-    deltas = [TOK.decode_incremental(state, i) for i in ids]
-    assert "".join(deltas) == "你好🙂" and all("\ufffd" not in d for d in deltas)
-    assert "" in deltas  # at least one token waited for the rest of its character

@@ -65,7 +65,7 @@ async def test_long_prompt_is_prepared_off_the_event_loop(
     assert offloaded == []
     text = "the quick brown fox " * 250  # above HEAVY_PROMPT characters: a worker thread
     await client.generate(prompt=text)
-    assert offloaded == ["_prepare"]
+    assert offloaded == ["prepare", "hash_blocks"]
     tok = cluster.spec.tokenizer
     assert tok is not None
     ids = tok.encode(text)

@@ -69,6 +69,10 @@ class LoopbackKvd:
             n += 1
         return n
 
+    async def lookup_cluster(self, hashes: Sequence[bytes]) -> tuple[int, int]:
+        n = await self.lookup(hashes)
+        return n, n  # one node: nothing elsewhere
+
     async def await_blocks(self, refs: Sequence[common_pb2.BlockRef], source: Any,
                            timeout: float) -> list[Pin]:
         if any(r.hash not in self.present for r in refs):

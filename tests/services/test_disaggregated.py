@@ -19,6 +19,7 @@ import torch
 import transformers
 
 from pdserve.hashing import hash_blocks
+from pdserve.index import NodeRecord, RedisPrefixIndex
 from pdserve.llm import LLM
 from pdserve.models import save_builtin
 from pdserve.proto.v1 import common_pb2, engine_pb2, kvd_pb2, kvd_pb2_grpc
@@ -36,6 +37,7 @@ ENGINE_FLAGS = ["--num-blocks", "96", "--max-num-batched-tokens", "32", "--threa
 @dataclass
 class Cluster:
     model: str
+    redis_url: str
     kvd_a: Proc
     kvd_b: Proc
     prefill: Proc
@@ -57,7 +59,7 @@ def _start_cluster(model: str, redis_url: str) -> Iterator[Cluster]:
             ("prefill", "--kvd", kvd_a.address, "--instance-id", f"{model}-p1", *common),
             ("decode", "--kvd", kvd_b.address, "--instance-id", f"{model}-d0",
              "--kvd-timeout", "3", *common))
-        yield Cluster(model, *procs)  # type: ignore[arg-type]
+        yield Cluster(model, redis_url, *procs)  # type: ignore[arg-type]
     finally:
         stop_all(procs)
 
@@ -190,13 +192,18 @@ async def test_cancelled_decode_frees_its_blocks(cluster: Cluster) -> None:
 @pytest.mark.parametrize("cluster", ["tiny"], indirect=True)  # MoE: the parity test
 async def test_blocks_that_never_arrive_fail_with_deadline_exceeded(cluster: Cluster) -> None:
     prompt = [(19 * i) % 250 + 2 for i in range(40)]  # never prefilled anywhere
-    fingerprint = llm(cluster.model).engine.config.fingerprint
+    fingerprint = llm(cluster.model).engine.fingerprint
     refs = [common_pb2.BlockRef(hash=h, checksum=1) for h in hash_blocks(prompt, 16, fingerprint)]
     with socket.socket() as blackhole:  # a "kvd" that accepts connections and never answers
         blackhole.bind(("127.0.0.1", 0))
         blackhole.listen(8)
         source = common_pb2.KvdEndpoint(node_id="ghost",
                                         address=f"127.0.0.1:{blackhole.getsockname()[1]}")
+        # Registered in the index like a real node (an unregistered source is refused:
+        # test_an_unregistered_source_is_refused), so the decode's kvd does try it.
+        index = RedisPrefixIndex(cluster.redis_url)
+        await index.register_node(NodeRecord("ghost", source.address, b"ucx", 1, 1), ttl=60)
+        await index.close()
         fake = engine_pb2.PrefillResponse(first_token_id=5, blocks=refs, source=source)
         async with grpc.aio.insecure_channel(cluster.decode.address) as dch:
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -204,4 +211,29 @@ async def test_blocks_that_never_arrive_fail_with_deadline_exceeded(cluster: Clu
                 await Client(dch).decode(f"{cluster.model}-lost", prompt, 4, prefilled=fake,
                                          timeout=20)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await assert_nothing_held(cluster)
+
+
+@pytest.mark.parametrize("cluster", ["tiny"], indirect=True)
+async def test_an_unregistered_source_is_refused(cluster: Cluster) -> None:
+    """A forged pull source: the decode node's kvd would send its credential there and take
+    whatever bytes came back. It refuses before connecting."""
+    prompt = [(23 * i) % 250 + 2 for i in range(40)]
+    fingerprint = llm(cluster.model).engine.fingerprint
+    refs = [common_pb2.BlockRef(hash=h, checksum=1) for h in hash_blocks(prompt, 16, fingerprint)]
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.settimeout(0.5)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        fake = engine_pb2.PrefillResponse(first_token_id=5, blocks=refs, source=common_pb2.
+                                          KvdEndpoint(node_id="forged", address=address))
+        async with grpc.aio.insecure_channel(cluster.decode.address) as dch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await Client(dch).decode(f"{cluster.model}-forged", prompt, 4, prefilled=fake,
+                                         timeout=20)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nobody ever connected
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert f"source: {address} is not a registered kvd node" in (err.value.details() or "")
     await assert_nothing_held(cluster)

@@ -224,7 +224,7 @@ async def test_set_role_switches_a_flex_instance_only() -> None:
 async def test_decode_without_room_for_the_blocks_is_resource_exhausted() -> None:
     prompt = PROMPTS["many_blocks"]  # 4 full blocks: needs 5 free pages to start
     small = engine("tiny", 4)
-    fingerprint = small.config.fingerprint
+    fingerprint = small.fingerprint
     refs = [common_pb2.BlockRef(hash=h) for h in hash_blocks(prompt, 16, fingerprint)]
     async with serve(EngineServiceConfig(role="decode", num_blocks=4), small) as d:
         req = engine_pb2.DecodeRequest(meta=common_pb2.RequestMeta(request_id="full"),

@@ -1,4 +1,4 @@
-"""Units of the engine services: streamed text with stop-string holdback, the throughput window,
+"""Units of the engine services: the throughput window,
 the engine thread under concurrent adds/aborts, and registration in Redis."""
 
 from __future__ import annotations
@@ -8,35 +8,10 @@ import asyncio
 import redis.asyncio as aioredis
 
 from pdserve.engine.async_engine import AsyncEngine, ThroughputWindow
-from pdserve.engine.text import TextStream
 from pdserve.registry import list_instances
 from pdserve.sampling_params import SamplingParams
 from services.engine.config import EngineServiceConfig
 from tests.services.harness import engine, serve
-
-
-def test_text_stream_never_sends_what_a_stop_string_cuts() -> None:
-    tok = engine().tokenizer
-    ids = tok.encode("hello world, this is the end of it", add_special_tokens=False)
-    stream = TextStream(tok, [], stop=["the end"])
-    sent = ""
-    for i, t in enumerate(ids):  # as the engine does: stop on the token completing the match
-        text = tok.decode(ids[: i + 1])
-        if "the end" in text:
-            cut = text[: text.index("the end")]
-            sent += stream.finish([t], cut)
-            break
-        sent += stream.add([t])
-        assert "hello world, this is ".startswith(sent)  # nothing the cut drops was sent
-    assert sent == "hello world, this is "
-
-
-def test_text_stream_without_stop_sends_everything() -> None:
-    tok = engine().tokenizer
-    ids = tok.encode("streaming text arrives piece by piece", add_special_tokens=False)
-    stream = TextStream(tok, [])
-    sent = "".join(stream.add([t]) for t in ids[:-1]) + stream.finish(ids[-1:], None)
-    assert sent == tok.decode(ids)
 
 
 def test_throughput_window_keeps_only_recent_samples() -> None:

@@ -157,14 +157,15 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams, priority: int = 0, cache_salt: str = "",
-                          prefill_only: bool = False) -> RequestStream:
+                          prefill_only: bool = False, hold: bool = False,
+                          prior_output: int = 0) -> RequestStream:
         """Queue a request; raises the engine's BadRequest (naming the field) if it is bad."""
         stream = RequestStream(request_id, StepTimes(added=time.monotonic()))
         self._streams[request_id] = stream  # before the add: its first output may come at once
 
         def add(engine: Engine) -> None:
             engine.add_request(request_id, prompt_token_ids, params, priority, cache_salt,
-                               prefill_only)
+                               prefill_only, hold, prior_output)
             self._progress[request_id] = 0
 
         try:
@@ -190,7 +191,7 @@ class AsyncEngine:
         return found
 
     async def release(self, request_id: str) -> None:
-        """Free the pages a finished prefill_only request still holds."""
+        """Free the pages a finished held request (prefill_only or ``hold``) still has."""
         await self.call(lambda e: e.release(request_id))
 
     # -- the engine thread ----------------------------------------------------------------

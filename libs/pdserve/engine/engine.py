@@ -13,19 +13,22 @@ next reuses them instead of recomputing.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.attention import get_backend
 from pdserve.engine.config import EngineArgs
-from pdserve.engine.kv_cache import KVCacheManager, PagedKVCache
+from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.request import EngineStats, Request, RequestOutput, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplerOutput
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.engine.setup import build_parts
 from pdserve.engine.stop import check_stop
 from pdserve.errors import BadRequest
+from pdserve.hashing import kv_fingerprint
 from pdserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -37,22 +40,21 @@ class Engine:
         args = args or EngineArgs()
         cfg = lm.config
         self.args, self.config, self.tokenizer = args, cfg, lm.tokenizer
-        device = torch.device(args.device)
-        bs = args.block_size
-        per_block = PagedKVCache.bytes_per_block(cfg.num_layers, bs, cfg.num_kv_heads,
-                                                 cfg.head_dim, cfg.dtype)
-        num_blocks = args.num_blocks or max(1, args.kv_cache_memory_bytes // per_block)
-        self.cache = PagedKVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads,
-                                  cfg.head_dim, cfg.dtype, device)
-        self.kv = KVCacheManager(num_blocks, bs, cfg.fingerprint, args.enable_prefix_caching)
-        backend = get_backend(args.attention_backend, self.cache.layers, cfg.num_heads)
-        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
-        self.runner = ModelRunner(lm.model, self.kv, backend, Sampler(args.seed, device), device)
-        self.device = device
         # Full attention equals a sliding window only up to the window's length: cap the
         # context there, so a windowed model (Mistral, Mixtral) never drifts from its reference.
         context = min(cfg.max_position_embeddings, cfg.sliding_window or 1 << 62)
         self.max_model_len = min(args.max_model_len or context, context)
+        parts = build_parts(lm, args, self.max_model_len)
+        device, self.cache, self.kernels = parts.device, parts.cache, parts.kernels
+        self.kv_dtype = str(cfg.dtype).removeprefix("torch.")
+        # What this engine's block hashes cover besides tokens (shared with kvd and router).
+        self.fingerprint = kv_fingerprint(cfg.fingerprint, self.kv_dtype)
+        self.kv = KVCacheManager(parts.num_blocks, args.block_size, self.fingerprint,
+                                 args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
+        self.runner = ModelRunner(lm.model, self.kv, parts.backend,
+                                  Sampler(args.seed, device), device, parts.graphs)
+        self.device = device
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -70,22 +72,37 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str = "", prefill_only: bool = False) -> None:
-        """Queue a request; raises BadRequest (a ValueError) naming the bad field."""
+                    priority: int = 0, cache_salt: str = "", prefill_only: bool = False,
+                    hold: bool = False, prior_output: int = 0) -> None:
+        """Queue a request; raises BadRequest (a ValueError) naming the bad field.
+
+        prefill_only: finish after the first token and keep the pages (a decode engine goes
+        on). hold: keep the pages once finished, until ``release``. prior_output: the last
+        that many prompt tokens are this request's own output so far (made by a prefill
+        engine): its text continues after theirs, and a stop string may begin in them."""
         self._validate(request_id, prompt_token_ids, params)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise BadRequest(f"priority must be an int, got {priority!r}")
         if not isinstance(cache_salt, str):
             raise BadRequest(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        if not 0 <= prior_output < len(prompt_token_ids):
+            raise BadRequest(f"prior_output must be in 0..{len(prompt_token_ids) - 1}, "
+                             f"got {prior_output}")
         max_len = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(self.device).manual_seed(params.seed)
+        detok = None
+        if self.tokenizer is not None:
+            replay = prompt_token_ids[len(prompt_token_ids) - prior_output:]
+            detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                replay=replay)
         req = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
             arrival=next(self._arrivals), max_len=max_len,
             eos_token_ids=self.eos_token_ids, priority=priority,
-            cache_salt=cache_salt, prefill_only=prefill_only, generator=gen)
+            cache_salt=cache_salt, prefill_only=prefill_only, hold=hold or prefill_only,
+            generator=gen, detok=detok)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -126,10 +143,10 @@ class Engine:
         return True
 
     def release(self, request_id: str) -> None:
-        """Free the pages a finished prefill_only request still holds."""
+        """Free the pages a finished held (prefill_only or ``hold``) request still has."""
         req = self.requests.get(request_id)
         if req is None or req.status != RequestStatus.HELD:
-            raise ValueError(f"request_id {request_id!r} is not a held prefill_only request")
+            raise ValueError(f"request_id {request_id!r} is not a finished held request")
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         del self.requests[request_id]
@@ -164,16 +181,23 @@ class Engine:
                 req.token_ids.append(token)
                 out.new_token_ids = [token]
                 out.logprobs = None if logprob is None else [logprob]
-                reason = "stop" if req.prefill_only else check_stop(req, self.tokenizer)
-                if reason is not None:
+                if req.detok is not None:
+                    req.detok.append(token)
+                reason = check_stop(req)
+                if reason is not None or req.prefill_only:
                     self._finish(req, reason, out)
+                elif req.detok is not None:
+                    out.text = req.detok.take()
             if out.new_token_ids or out.new_full_blocks or out.finished:
                 outputs.append(out)
         return outputs
 
-    def _finish(self, req: Request, reason: str, out: RequestOutput) -> None:
-        self.scheduler.finish(req, reason)
-        out.finished, out.finish_reason, out.stop_text = True, reason, req.stop_text
+    def _finish(self, req: Request, reason: str | None, out: RequestOutput) -> None:
+        """``reason`` None: a prefill_only request whose first token does not end it."""
+        self.scheduler.finish(req, reason or "stop")
+        out.finished, out.finish_reason = True, reason
+        if req.detok is not None:
+            out.text = req.detok.take() if reason is None else req.detok.finish()
         if req.status == RequestStatus.HELD:
             num_full = req.num_computed_tokens // self.kv.block_size
             out.block_hashes = req.block_hashes[:num_full]
@@ -183,6 +207,13 @@ class Engine:
 
     # -- KV block transfer ----------------------------------------------------------------
 
+    def page_of(self, block_hash: bytes, page_id: int) -> int | None:
+        """The page holding ``block_hash`` now: a page reported earlier may have been freed
+        (preemption) and reused since; then another page with those tokens' KV, or None."""
+        if not self.args.enable_prefix_caching:
+            return page_id
+        return self.kv.pool.lookup(block_hash)
+
     def export_blocks(self, page_ids: list[int], out: torch.Tensor) -> None:
         """Copy pages into ``out`` [n, layers, 2, block_size, kv_heads, head_dim]."""
         bad = [p for p in page_ids if not 0 <= p < self.kv.pool.num_blocks]
@@ -190,17 +221,24 @@ class Engine:
             raise ValueError(f"page_ids out of range [0, {self.kv.pool.num_blocks}): {bad[:5]}")
         self.cache.export_pages(page_ids, out)
 
-    def import_blocks(self, hashes: list[bytes], data: torch.Tensor) -> int:
-        """Scatter wire-layout blocks into free pages, cached under ``hashes`` (a chain from
-        the first block). Returns how many were newly imported (already cached ones and those
-        beyond the free pages are skipped)."""
+    def import_blocks(self, hashes: list[bytes],
+                      data: torch.Tensor | Sequence[torch.Tensor],
+                      scatter: Callable[[list[int], list[torch.Tensor]], None] | None = None
+                      ) -> int:
+        """Scatter wire-layout blocks (``data[i]`` is block i) into free pages, cached under
+        ``hashes`` (a chain from the first block). Returns how many were newly imported
+        (already cached ones and those beyond the free pages are skipped). ``scatter(pages,
+        blocks)`` replaces the synchronous copy (the kvd staging's pinned, async one)."""
         if not self.args.enable_prefix_caching:
             raise ValueError("import_blocks needs enable_prefix_caching=True")
-        if data.shape[0] != len(hashes):
-            raise ValueError(f"data has {data.shape[0]} blocks but hashes has {len(hashes)}")
+        if len(data) != len(hashes):
+            raise ValueError(f"data has {len(data)} blocks but hashes has {len(hashes)}")
         todo, pages, pinned = self.kv.import_begin(hashes)
-        if todo:
-            self.cache.import_pages(pages, data[torch.tensor(todo)])
+        if todo and scatter is not None:
+            scatter(pages, [data[i] for i in todo])
+        elif todo:
+            block_data = data if isinstance(data, torch.Tensor) else torch.stack(list(data))
+            self.cache.import_pages(pages, block_data[torch.tensor(todo)])
         self.kv.import_end([hashes[i] for i in todo], pages, pinned)
         return len(todo)
 

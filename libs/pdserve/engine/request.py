@@ -8,13 +8,14 @@ from typing import NamedTuple
 
 import torch
 
+from pdserve.engine.detokenizer import Detokenizer
 from pdserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()    # queued (new or preempted); holds no blocks
     RUNNING = enum.auto()    # scheduled every step until it finishes
-    HELD = enum.auto()       # prefill_only and finished: pages kept until release()
+    HELD = enum.auto()       # finished with hold (prefill_only): pages kept until release()
     FINISHED = enum.auto()   # done; blocks returned to the pool
 
 
@@ -35,7 +36,8 @@ class Request:
     eos_token_ids: frozenset[int]
     priority: int = 0
     cache_salt: str = ""
-    prefill_only: bool = False
+    prefill_only: bool = False       # finish after the first token (a decode engine goes on)
+    hold: bool = False               # keep the pages once finished, until release()
     generator: torch.Generator | None = None
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)   # prompt + output
@@ -44,7 +46,7 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # full blocks of token_ids
     finish_reason: str | None = None
-    stop_text: str | None = None     # output text truncated at a stop string, when one hit
+    detok: Detokenizer | None = None  # the output's text (None: the model has no tokenizer)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -80,8 +82,12 @@ class RequestOutput:
     """What one step produced for one request.
 
     new_full_blocks: (hash, page id) of the full blocks whose KV this step completed, in order.
-    For a finished prefill_only request, ``block_hashes``/``page_ids`` list all its full blocks
-    (the pages stay held until ``Engine.release``).
+    A request finished with ``hold=True`` (prefill_only ones always) keeps its pages until
+    ``Engine.release``; ``block_hashes``/``page_ids`` then list all its full blocks.
+    text: the output text this step made safe to stream (the rest of it when finished);
+    the pieces concatenate to the request's text. A finished prefill_only request's
+    ``finish_reason`` is None when the request goes on (on a decode engine), else the reason
+    its first token ended it.
     """
 
     request_id: str
@@ -94,7 +100,7 @@ class RequestOutput:
     page_ids: list[int] | None = None
     num_prompt_tokens: int = 0
     num_prefix_hit_tokens: int = 0
-    stop_text: str | None = None
+    text: str = ""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@
                           (max_num_seqs) and pages last; a prefix hit skips cached blocks.
 
 A request's life: WAITING -> RUNNING -> FINISHED, or RUNNING -> WAITING on preemption, or
-RUNNING -> HELD for prefill_only requests (pages kept for export until release).
+RUNNING -> HELD for held requests (prefill_only, or ``hold``: pages kept for export until
+release).
 """
 
 from __future__ import annotations
@@ -165,13 +166,13 @@ class Scheduler:
         return batch
 
     def finish(self, req: Request, reason: str) -> None:
-        """Take a request out of scheduling; prefill_only ones keep their pages."""
+        """Take a request out of scheduling; held ones (``hold``) keep their pages."""
         if req.status == RequestStatus.RUNNING:
             self.decode.remove(req)
         elif req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
         req.finish_reason = reason
-        keep = req.prefill_only and reason != "abort"
+        keep = req.hold and reason != "abort"
         req.status = RequestStatus.HELD if keep else RequestStatus.FINISHED
         if not keep:
             self.kv.free(req)

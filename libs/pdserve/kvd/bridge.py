@@ -3,8 +3,9 @@
     engine pages ──export_blocks──► kvd slots (allocate → write → commit [+ push to dest])
     engine pages ◄─import_blocks─── kvd slots (lookup / await → pins → read → release)
 
-Both copies run on the engine thread (``AsyncEngine.call``), between steps, straight into or out
-of the zero-copy slot views, so the bytes are copied once per direction. Slots are pinned
+Both copies are issued on the engine thread (``AsyncEngine.call``), between steps, straight into
+or out of the zero-copy slot views, so the bytes are copied once per direction; on CUDA they
+are pinned, asynchronous copies on a side stream (``kvd/staging.py``). Slots are pinned
 only for the copy: a commit releases the writer's pins, an import releases the reader's.
 """
 
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-import torch
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine
@@ -25,6 +25,7 @@ from pdserve.errors import StatusError
 from pdserve.hashing import block_checksum
 from pdserve.kvd.client import CommitEntry, KvdClient, Pin
 from pdserve.kvd.layout import BlockLayout
+from pdserve.kvd.staging import KvStaging, Ticket
 from pdserve.proto.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,6 @@ def _kvd_status(fn: F) -> F:
 
     return wrapper  # type: ignore[return-value]
 
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
 
 class KvBridge:
     def __init__(self, aengine: AsyncEngine, client: KvdClient, address: str) -> None:
@@ -65,6 +63,7 @@ class KvBridge:
         self.client = client
         self.address = address
         self.node_id = ""
+        self.staging: KvStaging | None = None
 
     @_kvd_status
     async def register(self) -> None:
@@ -72,9 +71,11 @@ class KvBridge:
         layout = BlockLayout(num_layers=cfg.num_layers,
                              block_size=self.aengine.engine.kv.block_size,
                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                             dtype=DTYPE_NAMES[cfg.dtype], model_fingerprint=cfg.fingerprint)
+                             dtype=self.aengine.engine.kv_dtype,
+                             model_fingerprint=self.aengine.engine.fingerprint)
         info = await self.client.register(layout)
         self.node_id = info.node_id
+        self.staging = KvStaging(self.aengine.engine, self.client)
 
     @property
     def endpoint(self) -> common_pb2.KvdEndpoint:
@@ -86,37 +87,59 @@ class KvBridge:
     async def export(self, blocks: Sequence[tuple[bytes, int]],
                      destination: common_pb2.KvdEndpoint | None) -> list[Exported]:
         """Copy engine pages (hash, page id) into fresh kvd slots and commit them, pushing
-        them to ``destination`` at once when given."""
+        them to ``destination`` at once when given. A block whose page no longer holds it
+        when the copy runs (freed and reused since) is left out: the kvd never gets bytes
+        that are not the hash's."""
         if not blocks:
             return []
         pins = await self.client.allocate(len(blocks))
+        released: set[int] = set()
         try:
             views = [self.client.slot_view(p.slot) for p in pins]
+            staging = self._staging()
 
-            def copy_out(engine: Engine) -> None:
-                for (_, page), view in zip(blocks, views, strict=True):
-                    engine.export_blocks([page], view.unsqueeze(0))
+            def copy_out(engine: Engine) -> tuple[list[int], Ticket]:
+                current = [engine.page_of(h, page) for h, page in blocks]
+                copied = [i for i, page in enumerate(current) if page is not None]
+                pages = [page for page in current if page is not None]
+                ticket = staging.export(pages, [views[i] for i in copied])
+                return copied, ticket
 
-            await self.aengine.call(copy_out)
-            sums = [block_checksum(self.client.slot_memory(p.slot)) for p in pins]
-            entries = [CommitEntry(p, h, c) for p, (h, _), c in zip(pins, blocks, sums,
-                                                                      strict=True)]
-            await self.client.commit(entries, destination, release=True)
+            copied, ticket = await self.aengine.call(copy_out)
+            await ticket.wait_async()  # the slots hold the bytes (pinned, async on CUDA)
+            entries = [CommitEntry(pins[i], blocks[i][0],
+                                   block_checksum(self.client.slot_memory(pins[i].slot)))
+                       for i in copied]
+            unused = [p.pin_id for i, p in enumerate(pins) if i not in set(copied)]
+            if unused:
+                released.update(unused)
+                await self._release_quietly(unused)
+            if entries:
+                await self.client.commit(entries, destination, release=True)
         except BaseException:
-            await self._release_quietly([p.pin_id for p in pins])
+            await self._release_quietly([p.pin_id for p in pins if p.pin_id not in released])
             raise
-        return [Exported(h, c) for (h, _), c in zip(blocks, sums, strict=True)]
+        return [Exported(e.hash, e.checksum or 0) for e in entries]
 
     @_kvd_status
     async def load_prefix(self, hashes: Sequence[bytes], timeout: float) -> list[Exported]:
-        """Import the leading run of ``hashes`` the local kvd holds; returns those blocks
-        with the checksums of their bytes."""
+        """Import the leading run of ``hashes`` the cluster holds: the local kvd's, or a
+        longer one another node has (per the index; the local kvd pulls it, e.g. a previous
+        turn's answer kept by a decode node). Returns those blocks with the checksums of
+        their bytes. A pull that fails costs a cache miss: the local run is loaded instead."""
         if not hashes:
             return []
-        num_present = await self.client.lookup(list(hashes))
-        if num_present == 0:
-            return []
-        loaded = list(hashes[:num_present])
+        here, available = await self.client.lookup_cluster(list(hashes))
+        if available > here:
+            try:
+                return await self._load(hashes[:available], timeout)
+            except grpc.aio.AioRpcError as exc:
+                log.info("prefix blocks of another node not pulled; using the local ones",
+                         extra={"fields": {"error": exc.details(), "num_blocks": available}})
+        return await self._load(hashes[:here], timeout) if here else []
+
+    async def _load(self, hashes: Sequence[bytes], timeout: float) -> list[Exported]:
+        loaded = list(hashes)
         refs = [common_pb2.BlockRef(hash=h) for h in loaded]
         pins = await self.client.await_blocks(refs, None, timeout)
         sums = await self._import(loaded, pins, with_checksums=True)
@@ -139,13 +162,20 @@ class KvBridge:
                       with_checksums: bool = False) -> list[int]:
         """Copy pinned slots into the engine; returns their checksums when asked."""
         try:
-            data = torch.stack([self.client.slot_view(p.slot) for p in pins])
+            views = [self.client.slot_view(p.slot) for p in pins]
             sums = ([block_checksum(self.client.slot_memory(p.slot)) for p in pins]
                     if with_checksums else [])
-            await self.aengine.call(lambda e: e.import_blocks(hashes, data))
+            staging = self._staging()
+            _, ticket = await self.aengine.call(lambda _: staging.import_(hashes, views))
+            await ticket.wait_async()  # the slots are read before their pins go
             return sums
         finally:
             await self._release_quietly([p.pin_id for p in pins])
+
+    def _staging(self) -> KvStaging:
+        if self.staging is None:
+            raise RuntimeError("kvd bridge: register() first")
+        return self.staging
 
     async def _release_quietly(self, pin_ids: list[int]) -> None:
         try:

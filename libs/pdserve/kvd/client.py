@@ -33,7 +33,8 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from pdserve.channel import SECRET_KEY, insecure_channel
+from pdserve.auth import DATA
+from pdserve.channel import insecure_channel
 from pdserve.hashing import block_checksum
 from pdserve.kvd import layout as L
 from pdserve.proto.v1 import common_pb2, kvd_pb2, kvd_pb2_grpc
@@ -87,7 +88,7 @@ class KvdClient:
         self.client_id = client_id
         self._channel = insecure_channel(address)
         self._stub = kvd_pb2_grpc.KvdStub(self._channel)
-        self._md = ((SECRET_KEY, secret),) if secret else ()
+        self._md = ((DATA.key, secret),) if secret else ()
         self._timeout = rpc_timeout
         self._shm: shared_memory.SharedMemory | None = None
         self.layout: L.BlockLayout | None = None
@@ -132,6 +133,13 @@ class KvdClient:
         flat = torch.frombuffer(shm.buf, dtype=dtype, count=n, offset=offset)
         return flat.view(self.layout.shape)
 
+    @property
+    def mapped(self) -> memoryview:
+        """The whole mapped pool segment (an engine on CUDA registers it as pinned memory)."""
+        if self._shm is None or self._shm.buf is None:
+            raise ValueError("mapped: register() first; the pool is not mapped")
+        return self._shm.buf
+
     def slot_memory(self, slot: int) -> memoryview:
         """The slot's raw bytes (for checksums and byte-level copies)."""
         shm, info, offset = self._mapped(slot)
@@ -155,14 +163,23 @@ class KvdClient:
                 checksum = block_checksum(self.slot_memory(e.pin.slot))
             pb.append(kvd_pb2.CommitEntry(slot=e.pin.slot, hash=e.hash, checksum=checksum,
                                           pin_id=e.pin.pin_id))
-        req = kvd_pb2.CommitRequest(entries=pb, destination=destination, release=release)
+        req = kvd_pb2.CommitRequest(entries=pb, destination=destination, release=release,
+                                    client_id=self.client_id)
         r = await self._stub.Commit(req, timeout=self._timeout, metadata=self._md)
         return CommitResult(r.num_duplicates, r.num_pushed, r.push_started, tuple(r.slots))
 
     async def lookup(self, hashes: Sequence[bytes]) -> int:
-        r = await self._stub.Lookup(kvd_pb2.LookupRequest(hashes=hashes),
+        """Length of the leading run of ``hashes`` present in this node's pool."""
+        return (await self.lookup_cluster(hashes, include_index=False))[0]
+
+    async def lookup_cluster(self, hashes: Sequence[bytes],
+                             include_index: bool = True) -> tuple[int, int]:
+        """(leading run here, leading run here or on one other node per the index): an
+        ``await_blocks`` without a source pulls the difference from that node."""
+        r = await self._stub.Lookup(kvd_pb2.LookupRequest(hashes=hashes,
+                                                          include_index=include_index),
                                     timeout=self._timeout, metadata=self._md)
-        return int(r.num_present)
+        return int(r.num_present), int(r.num_available or r.num_present)
 
     async def await_blocks(self, block_refs: Sequence[common_pb2.BlockRef],
                            source: common_pb2.KvdEndpoint | None = None,
@@ -175,7 +192,8 @@ class KvdClient:
         return _pins(r.pins)
 
     async def release(self, pin_ids: Sequence[int]) -> int:
-        r = await self._stub.Release(kvd_pb2.ReleaseRequest(pin_ids=pin_ids),
+        r = await self._stub.Release(kvd_pb2.ReleaseRequest(pin_ids=pin_ids,
+                                                            client_id=self.client_id),
                                      timeout=self._timeout, metadata=self._md)
         return int(r.num_released)
 

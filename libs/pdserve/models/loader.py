@@ -83,7 +83,7 @@ def _load_builtin(name: str, seed: int, dtype: str, device: torch.device) -> Loa
     cfg = builtin.hf_config(name)
     tokenizer = builtin_tokenizer()
     config = parse_hf_config(
-        cfg, dtype=resolve_dtype(dtype, cfg), eos_token_ids=tokenizer.eos_token_ids,
+        cfg, dtype=resolve_dtype(dtype, cfg, device), eos_token_ids=tokenizer.eos_token_ids,
         fingerprint=builtin.fingerprint(name, seed),
     )
     model = _build(config, device, builtin.iter_weights(name, seed))
@@ -152,7 +152,7 @@ def _load_dir(path: Path, dtype: str, device: torch.device) -> LoadedModel:
         raw = cfg["eos_token_id"]
         eos = (raw,) if isinstance(raw, int) else tuple(raw)
     config = parse_hf_config(
-        cfg, dtype=resolve_dtype(dtype, cfg), eos_token_ids=tuple(eos),
+        cfg, dtype=resolve_dtype(dtype, cfg, device), eos_token_ids=tuple(eos),
         fingerprint=fingerprint(config_text, files),
     )
     model = _build(config, device, _iter_files(files))
