@@ -25,10 +25,10 @@ from pathlib import Path
 from pdserve import env
 from pdserve.procs import Proc, free_port, start_redis
 from pdserve.roles import Role
+from pdserve.stack_secrets import StackSecrets
 from services.devices import engine_flags, parse_cpus, parse_devices, place
 from services.router.config import RouterConfig
 from services.router.policy import POLICIES
-from services.stack_secrets import StackSecrets
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,10 @@ Every service binds its namespace's address (never 0.0.0.0) and reaches the othe
 bridge, so kvd -> kvd bytes cross veth links as between hosts. On one machine UCX would still
 reach another namespace through shared memory (same boot id, same /dev/shm), so the kvds
 exclude the shared-memory transports (``--ucx-tls ^sm``), as separate hosts would by nature;
-which transports UCX then picked is its own report, kvd's ``pdserve_kvd_ucx_lanes``. Children
-die with this process; ``netns.remove_stale`` removes what a crashed run left behind.
+which transports UCX then picked is its own report, kvd's ``pdserve_kvd_ucx_lanes``. Being
+off loopback, every plane needs its credential: the cluster makes them as ``pdserve up`` does
+(``StackSecrets``: each process gets its role's in its environment) and the gateway an API
+key. Children die with this process; ``netns.remove_stale`` removes what a crashed run left.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ from pathlib import Path
 
 import grpc
 
+from pdserve import auth
 from pdserve.env import LOG_LEVEL_VAR, REDIS_URL_VAR
 from pdserve.procs import Proc, start_redis
 from pdserve.proto.v1 import router_pb2, router_pb2_grpc
+from pdserve.stack_secrets import StackSecrets
 from pdserve_bench.netns import Netns, remove_stale
 
 ROOT = Path(__file__).resolve().parents[2]  # where ``services`` is
@@ -85,7 +89,14 @@ class NetnsCluster:
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}",
                     "PYTHONUNBUFFERED": "1", LOG_LEVEL_VAR: "info"}
         self.env.pop(REDIS_URL_VAR, None)
-        self.redis_password = secrets.token_hex(12)  # Redis off loopback needs one
+        # Off loopback every plane needs its credential, as pdserve up hands them out: each
+        # process gets only its role's, in its environment; the gateway an API key.
+        self.secrets = StackSecrets(os.environ)
+        self.secrets.set_redis_url(self.secrets.private_redis_url(self.ip(REDIS), REDIS_PORT))
+        self.api_key = f"sk-cluster-{secrets.token_hex(16)}"
+        self.keys_file = self.secrets.directory / "api-keys"
+        self.keys_file.write_text(f"{self.api_key},cluster\n")
+        self.keys_file.chmod(0o600)
 
     # -- addresses -------------------------------------------------------------------------
     @property
@@ -97,7 +108,17 @@ class NetnsCluster:
 
     @property
     def redis_url(self) -> str:
-        return f"redis://:{self.redis_password}@{self.ip(REDIS)}:{REDIS_PORT}/0"
+        return self.secrets.redis_url
+
+    def metadata(self, *creds: auth.Credential) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata presenting this stack's ``creds`` (``auth.DATA`` for kvd and engine
+        Stats, ``auth.CLIENT`` for the router)."""
+        held = {c.name: self.secrets.values[c.var] for c in auth.CREDENTIALS}
+        return auth.metadata(creds, held)
+
+    @property
+    def data_secret(self) -> str:
+        return self.secrets.values[auth.DATA.var]
 
     @property
     def router_address(self) -> str:
@@ -133,20 +154,20 @@ class NetnsCluster:
         args = [*self.net[node].exec_args(), sys.executable, "-m", f"services.{module}",
                 "--host", self.ip(node), "--port", str(port), *flags]
         (self.log_dir / f"{name}.log").unlink(missing_ok=True)
-        proc = Proc(name, args, port, set(cpus) or None, log_path=self.log_dir / f"{name}.log",
-                    cwd=ROOT)
+        proc = Proc(name, args, port, set(cpus) or None, self.secrets.env_for(module, self.env),
+                    log_path=self.log_dir / f"{name}.log", cwd=ROOT)
         self.procs[name] = proc
         return proc
 
     def _plan(self) -> list[list[Proc]]:
         """The processes in start order: kvds, then engines, then router, then gateway."""
-        s, redis = self.spec, ["--redis-url", self.redis_url]
+        s = self.spec  # Redis's URL (and password) reach the services in their environment
         kvds, engines = [], []
         for role, nodes, cpus in (("prefill", s.prefill_nodes, s.prefill_cpus),
                                   ("decode", s.decode_nodes, s.decode_cpus)):
             for node in nodes:
                 kvds.append(self._add(f"kvd-{node}", node, "kvd", KVD_PORT, [
-                    *redis, "--node-id", self.kvd_node_id(node), "--ucx-host", self.ip(node),
+                    "--node-id", self.kvd_node_id(node), "--ucx-host", self.ip(node),
                     "--ucx-tls", s.ucx_tls,
                     "--ucx-error-handling", str(s.ucx_error_handling).lower(),
                     "--capacity-mib", str(s.kvd_capacity_mib),
@@ -154,16 +175,17 @@ class NetnsCluster:
                     "--heartbeat", str(s.kvd_heartbeat),
                     "--metrics-port", str(KVD_METRICS_PORT), *s.kvd_args]))
                 engines.append(self._add(f"{role}-{node}", node, role, ENGINE_PORT, [
-                    *redis, "--model", s.model, "--role", role, "--instance-id", node,
+                    "--model", s.model, "--role", role, "--instance-id", node,
                     "--kvd", self.kvd_address(node), "--threads", str(s.threads),
                     *s.engine_args], cpus))
         router = self._add("router", FRONT, "router", ROUTER_PORT, [
-            *redis, "--model", s.model, "--policy", s.policy,
+            "--model", s.model, "--policy", s.policy,
             "--prefill", ",".join(self.engine_address(n) for n in s.prefill_nodes),
             "--decode", ",".join(self.engine_address(n) for n in s.decode_nodes),
             *s.router_args])
         gateway = self._add("gateway", FRONT, "gateway", HTTP_PORT,
-                            ["--router", self.router_address, "--grpc-port", "0"])
+                            ["--router", self.router_address, "--grpc-port", "0",
+                             "--keys-file", str(self.keys_file)])
         return [kvds, engines, [router], [gateway]]
 
     def start(self, timeout: float = 180.0) -> NetnsCluster:
@@ -176,12 +198,11 @@ class NetnsCluster:
         try:
             self.net.create()
             self.redis = start_redis(exe, self.ip(REDIS), REDIS_PORT,
-                                     prefix=self.net[REDIS].exec_args(),
-                                     password=self.redis_password)
+                                     self.secrets.redis_password, self.net[REDIS].exec_args())
             deadline = time.monotonic() + timeout
             for wave in self._plan():
                 for proc in wave:
-                    proc.start(self.env)
+                    proc.start(proc.env)
                 for proc in wave:
                     proc.wait_ready(max(1.0, deadline - time.monotonic()))
             self.wait_routable(deadline - time.monotonic())
@@ -194,7 +215,7 @@ class NetnsCluster:
         """The router's view: instances with health and counters, index availability."""
         with grpc.insecure_channel(self.router_address) as ch:
             return router_pb2_grpc.RouterStub(ch).ClusterState(
-                router_pb2.ClusterStateRequest(), timeout=5)
+                router_pb2.ClusterStateRequest(), timeout=5, metadata=self.metadata(auth.CLIENT))
 
     def healthy(self) -> set[str]:
         """Instance ids the router currently routes to."""
@@ -232,4 +253,5 @@ class NetnsCluster:
         if self.redis is not None and self.redis.poll() is None:
             self.redis.terminate()
             self.redis.wait(timeout=10)
+        self.secrets.remove()
         self.net.close()

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import platform
+import secrets
 import statistics
 import subprocess
 import sys
@@ -29,7 +30,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.env import LOG_LEVEL_VAR
+from pdserve import auth
+from pdserve.env import LOG_LEVEL_VAR, SECRET_VAR
 from pdserve.kvd.client import KvdClient
 from pdserve.procs import Proc, die_with_parent
 from pdserve.proto.v1 import common_pb2
@@ -46,9 +48,12 @@ MULTITURN = {"turns": [3, 5], "first_turn_input": [128, 256], "turn_input": [16,
              "turn_output": [16, 32]}  # bench/configs/default.toml's multiturn
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}", "PYTHONUNBUFFERED": "1",
-            LOG_LEVEL_VAR: "info"}
+def _env(secret: str = "") -> dict[str, str]:
+    out = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}", "PYTHONUNBUFFERED": "1",
+           LOG_LEVEL_VAR: "info"}
+    if secret:  # the data-plane credential a kvd off loopback requires, never on a flag
+        out[SECRET_VAR] = secret
+    return out
 
 
 def _peer(node: NetNode, *args: str) -> subprocess.Popen[str]:
@@ -70,22 +75,24 @@ def lanes(metrics_text: str) -> list[str]:
                    for s in fam.samples if s.name == "pdserve_kvd_ucx_lanes"})
 
 
-def _kvd(node: NetNode, capacity_mib: int, log_dir: Path) -> Proc:
+def _kvd(node: NetNode, peer: NetNode, capacity_mib: int, log_dir: Path, secret: str) -> Proc:
+    """A kvd in ``node`` that may ship to and from ``peer``'s (no Redis registry here)."""
     proc = Proc(f"kvd-{node.name}", [
         *node.exec_args(), sys.executable, "-m", "services.kvd", "--host", node.ip,
         "--port", str(KVD_PORT), "--node-id", f"node-{node.name}", "--ucx-host", node.ip,
         "--ucx-tls", "^sm", "--ucx-error-handling", "true", "--capacity-mib",
-        str(capacity_mib), "--metrics-port", str(METRICS_PORT)], KVD_PORT,
+        str(capacity_mib), "--metrics-port", str(METRICS_PORT),
+        "--peers", f"{peer.ip}:{KVD_PORT}"], KVD_PORT,
         log_path=log_dir / f"kvd-{node.name}.log", cwd=ROOT)
-    proc.start(_env())
+    proc.start(_env(secret))
     return proc
 
 
-async def _kvd_rows(a: str, b: str, sizes: list[int], quick: bool
+async def _kvd_rows(a: str, b: str, sizes: list[int], quick: bool, secret: str
                     ) -> dict[int, dict[str, float]]:
     import torch
 
-    ca, cb = KvdClient(a, "bench-a"), KvdClient(b, "bench-b")
+    ca, cb = KvdClient(a, "bench-a", secret=secret), KvdClient(b, "bench-b", secret=secret)
     try:
         await ca.register(LAYOUT)
         await cb.register(LAYOUT)
@@ -129,10 +136,12 @@ def run_transfer(sizes: list[int], quick: bool, log_dir: Path) -> dict[str, Any]
         assert sink.stdout is not None
         sink_address = sink.stdout.readline().split("listening on ")[1].strip()
         grpc = _result(_peer(a, "grpc-source", sink_address, spec, reps))
-        kvds = [_kvd(n, 2 * max(sizes) + 64, log_dir) for n in (a, b)]
+        secret = secrets.token_urlsafe(32)
+        kvds = [_kvd(n, m, 2 * max(sizes) + 64, log_dir, secret) for n, m in ((a, b), (b, a))]
         for k in kvds:
             k.wait_ready(120)
-        kvd = asyncio.run(_kvd_rows(f"{a.ip}:{KVD_PORT}", f"{b.ip}:{KVD_PORT}", sizes, quick))
+        kvd = asyncio.run(_kvd_rows(f"{a.ip}:{KVD_PORT}", f"{b.ip}:{KVD_PORT}", sizes, quick,
+                                    secret))
         from urllib.request import urlopen
 
         with urlopen(f"http://{a.ip}:{METRICS_PORT}/metrics", timeout=5) as resp:
@@ -175,11 +184,13 @@ def run_serving(rate: float, num_requests: int, model: str, log_dir: Path
 
 async def _drive(cluster: NetnsCluster, load: LoadSettings, maker: PromptMaker
                  ) -> dict[str, Any]:
-    target = Target(base_url=cluster.base_url, api="chat", continuous_usage=True)
-    before = await router_counters(cluster.router_address)
+    target = Target(base_url=cluster.base_url, api="chat", continuous_usage=True,
+                    api_key=cluster.api_key)
+    creds = cluster.metadata(auth.CLIENT)
+    before = await router_counters(cluster.router_address, creds)
     bytes_before = _bytes_in(cluster, "d0")
     (run,) = await run_load_async(target, load, maker)
-    after = await router_counters(cluster.router_address)
+    after = await router_counters(cluster.router_address, creds)
     run = with_hit_rate(run, before, after)
     flat = run.summary.flat()
     return {"rate": run.rate, **{k: flat[k] for k in (

@@ -13,7 +13,7 @@ from typing import TypeVar
 import grpc
 import pytest
 
-from pdserve import LLM, SamplingParams
+from pdserve import LLM, SamplingParams, auth
 from pdserve.proto.v1 import engine_pb2, engine_pb2_grpc, kvd_pb2, kvd_pb2_grpc
 from pdserve_bench.cluster import ClusterSpec, NetnsCluster
 from pdserve_bench.netns import unavailable_reason
@@ -62,12 +62,14 @@ def reference(llm: LLM, prompt: str) -> str:
 
 def kvd_stats(cluster: NetnsCluster, node: str) -> kvd_pb2.KvdStats:
     with grpc.insecure_channel(cluster.kvd_address(node)) as ch:
-        return kvd_pb2_grpc.KvdStub(ch).Stats(kvd_pb2.KvdStatsRequest(), timeout=5)
+        return kvd_pb2_grpc.KvdStub(ch).Stats(kvd_pb2.KvdStatsRequest(), timeout=5,
+                                              metadata=cluster.metadata(auth.DATA))
 
 
 def engine_stats(cluster: NetnsCluster, node: str) -> engine_pb2.EngineStats:
     with grpc.insecure_channel(cluster.engine_address(node)) as ch:
-        return engine_pb2_grpc.EngineStub(ch).Stats(engine_pb2.EngineStatsRequest(), timeout=5)
+        return engine_pb2_grpc.EngineStub(ch).Stats(engine_pb2.EngineStatsRequest(), timeout=5,
+                                                    metadata=cluster.metadata(auth.DATA))
 
 
 def eventually(check: Callable[[], T], timeout: float, what: str) -> T:

@@ -37,7 +37,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve import LLM
 from pdserve.hashing import block_checksum
 from pdserve.index import RedisPrefixIndex
-from pdserve.kvd.bridge import DTYPE_NAMES
 from pdserve.kvd.client import CommitEntry, KvdClient
 from pdserve.kvd.layout import BlockLayout
 from pdserve.proto.v1 import common_pb2
@@ -55,7 +54,8 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog. " * 6]
 
 
 def client(cluster: NetnsCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=cluster.base_url, api_key=cluster.api_key, max_retries=0,
+                         timeout=60)
 
 
 def complete(cluster: NetnsCluster, prompt: str) -> str:
@@ -129,13 +129,14 @@ def put_blocks(cluster: NetnsCluster, llm: LLM, src: str, dst: str | None = None
                n: int = 3) -> list[bytes]:
     """``n`` fresh blocks written on ``src``'s kvd and committed (their hashes); with ``dst``,
     pushed there and checked to arrive bit-exact over the kvd -> kvd data path."""
-    cfg = llm.engine.config
-    layout = BlockLayout(cfg.num_layers, llm.engine.kv.block_size, cfg.num_kv_heads,
-                         cfg.head_dim, DTYPE_NAMES[cfg.dtype], cfg.fingerprint)
+    engine, cfg = llm.engine, llm.engine.config  # the layout the engines registered
+    layout = BlockLayout(cfg.num_layers, engine.kv.block_size, cfg.num_kv_heads, cfg.head_dim,
+                         engine.kv_dtype, engine.fingerprint)
 
     async def go() -> list[bytes]:
-        a = KvdClient(cluster.kvd_address(src), f"test-{src}")
-        b = KvdClient(cluster.kvd_address(dst), f"test-{dst}") if dst else None
+        secret = cluster.data_secret
+        a = KvdClient(cluster.kvd_address(src), f"test-{src}", secret=secret)
+        b = KvdClient(cluster.kvd_address(dst), f"test-{dst}", secret=secret) if dst else None
         try:
             await a.register(layout)
             pins = await a.allocate(n)

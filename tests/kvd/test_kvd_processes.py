@@ -20,6 +20,7 @@ from pdserve.index.redis_index import RedisPrefixIndex
 from pdserve.kvd.client import CommitEntry, KvdClient, Pin
 from pdserve.kvd.layout import BlockLayout
 from pdserve.proto.v1 import common_pb2, kvd_pb2
+from tests.conftest import RedisServer, free_port
 from tests.kvd.conftest import BLOCK, ROOT, KvdProc, common_args
 
 Factory = tuple[str, list[KvdProc]]
@@ -208,6 +209,32 @@ async def test_pins_of_a_dead_client_expire(kvd_factory: Factory, redis_url: str
     finally:
         proc.kill()
     await cb.close()
+
+
+async def test_registered_peers_stay_allowed_while_redis_is_down(kvd_factory: Factory) -> None:
+    """Push destinations must be registered nodes; a kvd learns the registry every heartbeat,
+    so a Redis outage (or Redis out of this node's reach) does not turn a registered peer it
+    never sent to yet into a refused one."""
+    redis_server = RedisServer(free_port())
+    redis_server.start()
+    try:
+        a = start(kvd_factory, redis_server.url)
+        b = start(kvd_factory, redis_server.url)
+        ca, cb = await client(a), await client(b)
+        await asyncio.sleep(1.0)  # a few heartbeats: each kvd has read the registry back
+        redis_server.stop()
+        pins, hashes, sums = await write(ca, 3)
+        want = bytes_of(ca, pins)
+        r = await ca.commit([CommitEntry(p, h) for p, h in zip(pins, hashes, strict=True)],
+                            destination=endpoint(b))
+        assert (r.num_pushed, r.push_started) == (3, True)
+        got = await cb.await_blocks(refs(hashes, sums), timeout=10)
+        assert bytes_of(cb, got) == want
+        await cb.release([p.pin_id for p in got])
+        for c in (ca, cb):
+            await c.close()
+    finally:
+        redis_server.stop()
 
 
 async def test_full_pool_eviction_restart_purge_and_bad_input(kvd_factory: Factory,
