@@ -208,9 +208,10 @@ class Router:
             async for message in relay_decode(flow, self.policy, self.pool, decodes, first):
                 yield message
         except KvLost as lost:  # the client has the first token; its KV is gone: once more
-            await prefill_again(flow, self.policy, self.pool, lost)
-            async for message in relay_decode(flow, self.policy, self.pool,
-                                              self.pool.healthy(common_pb2.ROLE_DECODE), None):
+            prefills = [p for p in group.prefills if p.is_healthy]  # alike blocks only
+            decodes = [d for d in group.decodes if d.is_healthy]
+            await prefill_again(flow, self.policy, self.pool, lost, prefills, decodes)
+            async for message in relay_decode(flow, self.policy, self.pool, decodes, None):
                 yield message
 
     def _place_colocated(self, flow: Flow, decodes: list[Instance]) -> Choice:

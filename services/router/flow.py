@@ -197,17 +197,16 @@ async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
             decode, first = replacement, None
 
 
-async def prefill_again(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
-                        lost: KvLost) -> None:
-    """The decode could not get the request's KV (``KvLost``): prefill the prompt again, on
-    another prefill instance when there is one. The client already has the first token, so it
-    stays; the new prefill's own first token is dropped (the prompt's KV does not depend on
-    it). Without a healthy prefill+decode pair, ``lost`` goes to the client."""
+async def prefill_again(flow: Flow, policy: RoutingPolicy, pool: InstancePool, lost: KvLost,
+                        prefills: Sequence[Instance], decodes: Sequence[Instance]) -> None:
+    """The decode could not get the request's KV (``KvLost``): prefill the prompt again on one
+    of ``prefills`` (healthy, alike), another instance than the first when there is one. The
+    client already has the first token, so it stays; the new prefill's own first token is
+    dropped (the prompt's KV does not depend on it). Without a prefill and a decode left,
+    ``lost`` goes to the client."""
     assert flow.prefill_response is not None and flow.choice is not None
     sent, lost_on = flow.prefill_response.first_token_id, flow.choice.prefill
-    healthy = pool.healthy(common_pb2.ROLE_PREFILL)
-    prefills = [p for p in healthy if p is not lost_on] or healthy
-    decodes = pool.healthy(common_pb2.ROLE_DECODE)
+    prefills = [p for p in prefills if p is not lost_on] or list(prefills)
     if not prefills or not decodes:
         raise StatusError(lost.code, f"{lost.message}; no healthy prefill and decode pair is "
                           "left to compute them again")
