@@ -19,6 +19,7 @@ key. Children die with this process; ``netns.remove_stale`` removes what a crash
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -33,7 +34,7 @@ from pathlib import Path
 import grpc
 
 from pdserve import auth
-from pdserve.env import LOG_LEVEL_VAR, REDIS_URL_VAR
+from pdserve.env import LOG_FORMAT_VAR, LOG_LEVEL_VAR, REDIS_URL_VAR
 from pdserve.procs import Proc, start_redis
 from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 from pdserve.stack_secrets import StackSecrets
@@ -87,7 +88,8 @@ class NetnsCluster:
         self.net = Netns([REDIS, FRONT, *self.spec.prefill_nodes, *self.spec.decode_nodes])
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}",
-                    "PYTHONUNBUFFERED": "1", LOG_LEVEL_VAR: "info"}
+                    "PYTHONUNBUFFERED": "1", LOG_LEVEL_VAR: "info",
+                    LOG_FORMAT_VAR: "text"}  # ``log`` is read back (pool names, UCX lanes)
         self.env.pop(REDIS_URL_VAR, None)
         # Off loopback every plane needs its credential, as pdserve up hands them out: each
         # process gets only its role's, in its environment; the gateway an API key.
@@ -238,7 +240,7 @@ class NetnsCluster:
 
     def stop(self) -> None:
         """Stop every service (all at once: SIGTERM, then SIGKILL after 10 s), Redis, then
-        remove namespaces and links."""
+        remove namespaces, links and any kvd pool left in /dev/shm."""
         live = [p.popen for p in self.procs.values()
                 if p.popen is not None and p.popen.poll() is None]
         for popen in live:
@@ -255,3 +257,11 @@ class NetnsCluster:
             self.redis.wait(timeout=10)
         self.secrets.remove()
         self.net.close()
+        for path in self.pools():  # a killed kvd (node loss) could not unlink its pool
+            path.unlink(missing_ok=True)
+
+    def pools(self) -> list[Path]:
+        """The shared-memory pool files the kvds created (named in their logs) that exist."""
+        names = {m for n in self.nodes for m in re.findall(r"shm=(\S+)", self.log(f"kvd-{n}"))}
+        return [Path("/dev/shm", name) for name in sorted(names)
+                if Path("/dev/shm", name).exists()]

@@ -47,6 +47,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsCluster]:
     finally:
         c.stop()
     assert c.net.leftovers() == [], "the cluster left namespaces or links behind"
+    assert c.pools() == [], "the cluster left kvd pools in /dev/shm"
 
 
 @pytest.fixture(scope="module")
