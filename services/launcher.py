@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -73,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-arg", action="append", default=[],
                    help="extra flag for every engine, e.g. --engine-arg=--max-num-seqs=32")
     p.add_argument("--ready-timeout", type=float, default=180.0)
+    p.add_argument("--prometheus-config", default="",
+                   help="write a Prometheus scrape config for every service's /metrics here")
+    p.add_argument("--log-dir", default="",
+                   help="write each service's log to DIR/<service>.log (default: a new "
+                        "temporary directory, printed)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also stream every service's log here, prefixed with its name")
+    p.add_argument("--otel-endpoint", default="",
+                   help="OTLP/gRPC collector every service sends its spans to")
     p.add_argument("--no-restart", action="store_true", help="report dead services, do not restart")
     return p
 
@@ -85,6 +95,10 @@ class Stack:
         self.procs: list[Proc] = []
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}",
                     "PYTHONUNBUFFERED": "1", "UCXPY_PROGRESS_MODE": "blocking"}
+        if ns.otel_endpoint:
+            self.env[env.OTEL_ENDPOINT_VAR] = ns.otel_endpoint
+        self.log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="pdserve-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis_url = os.environ.get(env.REDIS_URL_VAR, "")
         self.secrets = StackSecrets(os.environ)
         self.redis: subprocess.Popen[bytes] | None = None
@@ -106,7 +120,11 @@ class Stack:
              port: int | None = None) -> Proc:
         port = free_port(self.ns.host) if port is None else port
         args = [*_module(module), "--host", self.ns.host, "--port", str(port), *flags]
-        proc = Proc(name, args, port, cpus, self.secrets.env_for(module, self.env), cwd=ROOT)
+        if module != "gateway":  # its /metrics is on its HTTP port; the others: a free one
+            args += ["--metrics-port", "0"]
+        proc = Proc(name, args, port, cpus, self.secrets.env_for(module, self.env),
+                    log=self.log_dir / f"{name}.log",
+                    verbose=self.ns.verbose or env.up_verbose(), cwd=ROOT)
         self.procs.append(proc)
         return proc
 
@@ -191,6 +209,24 @@ class Stack:
         self.secrets.remove()
 
 
+def write_prometheus_config(path: str, stack: Stack) -> None:
+    """A scrape config with one job per service kind, labelled with each instance's name."""
+    jobs: dict[str, list[tuple[str, str]]] = {}
+    for proc in stack.procs:
+        if proc.metrics:
+            jobs.setdefault(proc.name.split("-")[0], []).append((proc.name, proc.metrics))
+    lines = ["# pdserve up: every service's /metrics (Prometheus scrape config)",
+             "scrape_configs:"]
+    for job, targets in sorted(jobs.items()):
+        lines += [f"  - job_name: pdserve-{job}", "    static_configs:"]
+        lines += [f"      - targets: ['{t}']\n        labels: {{pdserve_name: {n}}}"
+                  for n, t in targets]
+    if not stack.ns.keys_file:  # with API keys, the gateway's /metrics needs one
+        lines += ["  - job_name: pdserve-gateway", "    static_configs:",
+                  f"      - targets: ['{stack.ns.host}:{stack.gateway.port}']"]
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
 def _without_password(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
@@ -203,6 +239,13 @@ def _banner(stack: Stack) -> None:
     print(f"pdserve router: {stack.router_address}")
     print(f"pdserve redis: {_without_password(stack.redis_url) or 'none'}")
     print(f"pdserve secrets: {stack.secrets.directory}")
+    print(f"pdserve logs: {stack.log_dir}")
+    print("pdserve metrics: " + " ".join(f"{p.name}={p.metrics}" for p in stack.procs
+                                          if p.metrics)
+          + f" gateway={ns.host}:{stack.gateway.port}/metrics")
+    if ns.prometheus_config:
+        write_prometheus_config(ns.prometheus_config, stack)
+        print(f"pdserve prometheus config: {ns.prometheus_config}")
     print(f"""
 Try it {auth}:
   curl {base}/completions -H 'Content-Type: application/json' \\

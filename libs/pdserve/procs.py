@@ -18,9 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve import env
-
-READY = re.compile(r"pdserve (\w+) listening on (\S+):(\d+)")
+READY = re.compile(r"pdserve (\w+) listening on (\S+):(\d+)(?: \(metrics on (\S+)\))?")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -65,18 +63,20 @@ def start_redis(exe: str, host: str, port: int, password: str = "",
 @dataclass
 class Proc:
     """One supervised child: its command, where it listens, and how often it was restarted.
-    It dies with its supervisor; with ``log_path`` its whole log is kept there too."""
+    It dies with its supervisor (PR_SET_PDEATHSIG)."""
 
     name: str
     args: list[str]
     port: int
     cpus: set[int] | None = None
     env: dict[str, str] = field(default_factory=dict)  # its own: only its role's credentials
+    metrics: str = ""  # host:port of its /metrics, read from its ready line
+    log: Path | None = None  # its stderr, kept (appended across restarts)
+    verbose: bool = False  # also stream it, prefixed with its name
+    cwd: Path | None = None
     popen: subprocess.Popen[str] | None = None
     restarts: int = 0
     log_tail: list[str] = field(default_factory=list)
-    log_path: Path | None = None
-    cwd: Path | None = None
     _stderr_reader: threading.Thread | None = field(default=None, repr=False)
 
     def start(self, env: dict[str, str]) -> None:
@@ -94,17 +94,13 @@ class Proc:
 
     def _drain_stderr(self) -> None:
         assert self.popen is not None and self.popen.stderr is not None
-        log = self.log_path.open("a", buffering=1) if self.log_path is not None else None
-        try:
+        with (self.log.open("a", encoding="utf-8") if self.log else open(os.devnull, "w")) as out:
             for line in self.popen.stderr:
                 self.log_tail = [*self.log_tail[-40:], line.rstrip()]
-                if log is not None:
-                    log.write(line)
-                if env.up_verbose():
+                out.write(line)
+                out.flush()
+                if self.verbose:
                     sys.stderr.write(f"[{self.name}] {line}")
-        finally:
-            if log is not None:
-                log.close()
 
     def wait_ready(self, timeout: float) -> None:
         assert self.popen is not None and self.popen.stdout is not None
@@ -114,12 +110,14 @@ class Proc:
                                   daemon=True)
         reader.start()
         reader.join(max(0.0, deadline - time.monotonic()))
-        if not result or not READY.search(result[0]):
+        ready = READY.search(result[0]) if result else None
+        if ready is None:
             if self.popen.poll() is not None and self._stderr_reader is not None:
                 self._stderr_reader.join(timeout=2)  # died: let its last words reach the tail
             tail = "\n  ".join(self.log_tail[-15:])
             raise RuntimeError(f"{self.name} did not become ready (exit code "
                                f"{self.popen.poll()}); its last log lines:\n  {tail}")
+        self.metrics = ready.group(4) or ""
         threading.Thread(target=self._drain_stdout, daemon=True).start()
 
     def _drain_stdout(self) -> None:

@@ -157,7 +157,7 @@ class NetnsCluster:
                 "--host", self.ip(node), "--port", str(port), *flags]
         (self.log_dir / f"{name}.log").unlink(missing_ok=True)
         proc = Proc(name, args, port, set(cpus) or None, self.secrets.env_for(module, self.env),
-                    log_path=self.log_dir / f"{name}.log", cwd=ROOT)
+                    log=self.log_dir / f"{name}.log", cwd=ROOT)
         self.procs[name] = proc
         return proc
 

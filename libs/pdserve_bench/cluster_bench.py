@@ -83,7 +83,7 @@ def _kvd(node: NetNode, peer: NetNode, capacity_mib: int, log_dir: Path, secret:
         "--ucx-tls", "^sm", "--ucx-error-handling", "true", "--capacity-mib",
         str(capacity_mib), "--metrics-port", str(METRICS_PORT),
         "--peers", f"{peer.ip}:{KVD_PORT}"], KVD_PORT,
-        log_path=log_dir / f"kvd-{node.name}.log", cwd=ROOT)
+        log=log_dir / f"kvd-{node.name}.log", cwd=ROOT)
     proc.start(_env(secret))
     return proc
 

@@ -29,12 +29,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
-from opentelemetry.context import Context
+from opentelemetry import trace
 
 from pdserve.errors import StatusError
 from pdserve.hashing import hash_blocks
 from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
 from pdserve.roles import Role
+from pdserve.telemetry import outbound_metadata
 from services.router import metrics
 from services.router.flow import Flow, KvLost, prefill_again, relay_decode, run_prefill
 from services.router.instances import Instance, InstancePool
@@ -126,7 +127,6 @@ class Router:
 
     async def generate(self, request: router_pb2.GenerateRequest,
                        time_remaining: Callable[[], float | None],
-                       trace_context: Context | None = None,
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream the answer to ``request``; raises ``StatusError`` for a status to return."""
         arrived = time.perf_counter()
@@ -146,9 +146,9 @@ class Router:
         except QuotaExceeded as exc:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
                               exc.retry_after) from exc
-        span = metrics.tracer.start_span("router.generate", context=trace_context)
+        span = trace.get_current_span()  # Router.Generate's (pdserve.rpc)
         span.set_attribute("pdserve.request_id", prepared.meta.request_id)
-        flow = Flow(prepared, time_remaining, metrics.trace_metadata(span), arrived,
+        flow = Flow(prepared, time_remaining, outbound_metadata(), arrived,
                     self.max_retries)
         self.num_in_flight += 1
         metrics.IN_FLIGHT.inc()
@@ -160,7 +160,12 @@ class Router:
             hashes = await asyncio.to_thread(hash_blocks, *args) if heavy else hash_blocks(*args)
             flow.query = RouteQuery(len(prepared.prompt_ids), self.block_size, len(hashes),
                                     await self.index.lookup(hashes))
+            last = 0.0
             async for message in self._run(flow, group):
+                if message.token_ids:
+                    now = time.perf_counter()
+                    (metrics.ITL if last else metrics.TTFT).observe(now - (last or arrived))
+                    last = now
                 yield message
             flow.is_finished = True
         finally:
@@ -173,7 +178,6 @@ class Router:
             if not flow.is_finished:
                 self._abort(flow)
             span.set_attribute("pdserve.completion_tokens", flow.num_tokens_sent)
-            span.end()
 
     def _group(self) -> Group:
         """The healthy instances that can serve together: prefill and decode engines (else

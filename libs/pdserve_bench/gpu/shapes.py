@@ -21,7 +21,7 @@ import torch
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
 from pdserve.models import LoadedModel
-from pdserve.models.builtin_tokenizer import tokenizer_config, tokenizer_json
+from pdserve.models.builtin_vocab import tokenizer_config, tokenizer_json
 from pdserve.models.config import parse_hf_config
 from pdserve.models.loader import _build, builtin_tokenizer
 
