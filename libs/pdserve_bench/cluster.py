@@ -134,7 +134,9 @@ class NetnsCluster:
         return f"{self.ip(node)}:{KVD_PORT}"
 
     def kvd_node_id(self, node: str) -> str:
-        return f"node-{node}"
+        """Unique on the machine (the run's namespace name): kvds of other stacks on this
+        host (``pdserve up``'s ``node-p0``...) share /dev/shm, where the pool is named by it."""
+        return self.net[node].netns
 
     def engine_address(self, node: str) -> str:
         return f"{self.ip(node)}:{ENGINE_PORT}"

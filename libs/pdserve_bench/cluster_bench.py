@@ -79,7 +79,7 @@ def _kvd(node: NetNode, peer: NetNode, capacity_mib: int, log_dir: Path, secret:
     """A kvd in ``node`` that may ship to and from ``peer``'s (no Redis registry here)."""
     proc = Proc(f"kvd-{node.name}", [
         *node.exec_args(), sys.executable, "-m", "services.kvd", "--host", node.ip,
-        "--port", str(KVD_PORT), "--node-id", f"node-{node.name}", "--ucx-host", node.ip,
+        "--port", str(KVD_PORT), "--node-id", node.netns, "--ucx-host", node.ip,
         "--ucx-tls", "^sm", "--ucx-error-handling", "true", "--capacity-mib",
         str(capacity_mib), "--metrics-port", str(METRICS_PORT),
         "--peers", f"{peer.ip}:{KVD_PORT}"], KVD_PORT,
@@ -88,7 +88,7 @@ def _kvd(node: NetNode, peer: NetNode, capacity_mib: int, log_dir: Path, secret:
     return proc
 
 
-async def _kvd_rows(a: str, b: str, sizes: list[int], quick: bool, secret: str
+async def _kvd_rows(a: str, b: str, b_id: str, sizes: list[int], quick: bool, secret: str
                     ) -> dict[int, dict[str, float]]:
     import torch
 
@@ -96,7 +96,7 @@ async def _kvd_rows(a: str, b: str, sizes: list[int], quick: bool, secret: str
     try:
         await ca.register(LAYOUT)
         await cb.register(LAYOUT)
-        pair = KvdPair(ca, cb, common_pb2.KvdEndpoint(node_id="node-b", address=b))
+        pair = KvdPair(ca, cb, common_pb2.KvdEndpoint(node_id=b_id, address=b))
         await pair.kvd_once(1)  # endpoints, channels
         out = torch.empty(LAYOUT.shape, dtype=torch.bfloat16)
         rows = {}
@@ -140,8 +140,8 @@ def run_transfer(sizes: list[int], quick: bool, log_dir: Path) -> dict[str, Any]
         kvds = [_kvd(n, m, 2 * max(sizes) + 64, log_dir, secret) for n, m in ((a, b), (b, a))]
         for k in kvds:
             k.wait_ready(120)
-        kvd = asyncio.run(_kvd_rows(f"{a.ip}:{KVD_PORT}", f"{b.ip}:{KVD_PORT}", sizes, quick,
-                                    secret))
+        kvd = asyncio.run(_kvd_rows(f"{a.ip}:{KVD_PORT}", f"{b.ip}:{KVD_PORT}", b.netns, sizes,
+                                    quick, secret))
         from urllib.request import urlopen
 
         with urlopen(f"http://{a.ip}:{METRICS_PORT}/metrics", timeout=5) as resp:
