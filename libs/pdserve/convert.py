@@ -11,6 +11,7 @@ from pdserve.engine.request import Logprob
 from pdserve.errors import BadRequest
 from pdserve.proto.v1 import common_pb2
 from pdserve.sampling_params import SamplingParams
+from pdserve.structured import StructuredOutput
 from pdserve.tokenizer import Tokenizer
 
 FINISH_REASONS = {
@@ -30,6 +31,10 @@ def sampling_from_proto(sp: common_pb2.SamplingParams, default_max_tokens: int,
         if bad_stop:
             raise BadRequest(f"sampling.stop_token_ids must be < vocab_size {vocab_size}, "
                              f"got {bad_stop[:5]}")
+        bad_bias = sorted(t for t in sp.logit_bias if t >= vocab_size)
+        if bad_bias:
+            raise BadRequest(f"sampling.logit_bias: token ids must be < vocab_size "
+                             f"{vocab_size}, got {bad_bias[:5]}")
     top_k = sp.top_k if sp.HasField("top_k") else -1
     try:
         return SamplingParams(
@@ -41,9 +46,41 @@ def sampling_from_proto(sp: common_pb2.SamplingParams, default_max_tokens: int,
             seed=sp.seed if sp.HasField("seed") else None,
             stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos,
-            logprobs=sp.logprobs if sp.HasField("logprobs") else None)
+            logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            presence_penalty=(sp.presence_penalty if sp.HasField("presence_penalty")
+                              else 0.0),
+            frequency_penalty=(sp.frequency_penalty if sp.HasField("frequency_penalty")
+                               else 0.0),
+            repetition_penalty=(sp.repetition_penalty if sp.HasField("repetition_penalty")
+                                else 1.0),
+            logit_bias=dict(sp.logit_bias),
+            structured=structured_from_proto(sp.structured) if sp.HasField("structured")
+            else None,
+            prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None)
     except BadRequest as exc:
         raise BadRequest(f"sampling.{exc.message}") from exc
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise BadRequest("structured: set one of json_schema, json_object, regex, choice, "
+                         "grammar")
+    if kind == "json_object" and not msg.json_object:
+        raise BadRequest("structured.json_object: must be true when set")
+    value = tuple(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    return StructuredOutput(kind, "" if kind == "json_object" else value)
+
+
+def structured_to_proto(so: StructuredOutput) -> common_pb2.StructuredOutput:
+    msg = common_pb2.StructuredOutput()
+    if so.kind == "choice":
+        msg.choice.choices.extend(so.value)
+    elif so.kind == "json_object":
+        msg.json_object = True
+    else:
+        setattr(msg, so.kind, so.value)
+    return msg
 
 
 def logprobs_to_proto(token_id: int, lp: Logprob,

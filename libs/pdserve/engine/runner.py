@@ -12,6 +12,7 @@ import torch
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.prompt_logprobs import record_prompt_logprobs
 from pdserve.engine.sampler import Sampler, SamplerOutput
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.models.base import CausalLM
@@ -64,6 +65,8 @@ class ModelRunner:
             return None
         input_ids, positions = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.backend)
+        if any(r.params.prompt_logprobs is not None for r in batch.reqs):
+            record_prompt_logprobs(self.model, hidden, batch)
         rows, reqs = [], []
         end = 0
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
