@@ -98,5 +98,11 @@ def logprobs_to_proto(token_id: int, lp: Logprob,
                                        top=[entry(t, v) for t, v in lp.top])
 
 
+def prompt_logprobs_to_proto(prompt: list[int], entries: list[Logprob],
+                             tokenizer: Tokenizer | None) -> list[common_pb2.PositionLogprobs]:
+    """Entry i scores prompt token i + 1 (the first prompt token has none)."""
+    return [logprobs_to_proto(prompt[i + 1], lp, tokenizer) for i, lp in enumerate(entries)]
+
+
 def finish_to_proto(reason: str | None) -> common_pb2.FinishReason:
     return FINISH_REASONS.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
