@@ -43,7 +43,7 @@ from services.router.model import ModelSpec
 from services.router.policy import Choice, RouteQuery, RoutingPolicy
 from services.router.prefix import IndexClient
 from services.router.quotas import QuotaBook, QuotaExceeded
-from services.router.requests import RouterLimits, detokenize, prepare, tokenize
+from services.router.requests import Prepared, RouterLimits, detokenize, prepare, tokenize
 from services.router.tools import with_tool_calls
 
 log = logging.getLogger(__name__)
@@ -165,8 +165,14 @@ class Router:
             if prepared.tools is not None:
                 messages = with_tool_calls(messages, prepared.tools)
             echo = prepared.prompt_text  # goes out once, with the first message
+            first_entry = self._first_prompt_entry(prepared)
             async for message in messages:
                 message.prompt_text, echo = echo, ""
+                if first_entry is not None:
+                    entries = [first_entry, *message.prompt_logprobs]
+                    message.ClearField("prompt_logprobs")
+                    message.prompt_logprobs.extend(entries)
+                    first_entry = None
                 yield message
             flow.is_finished = True
         finally:
@@ -180,6 +186,20 @@ class Router:
                 self._abort(flow)
             span.set_attribute("pdserve.completion_tokens", flow.num_tokens_sent)
             span.end()
+
+    def _first_prompt_entry(self, prepared: Prepared) -> common_pb2.PositionLogprobs | None:
+        """With prompt logprobs, the first prompt token's entry: the engines score tokens
+        from the second on (nothing predicts the first)."""
+        if not prepared.sampling.HasField("prompt_logprobs"):
+            return None
+        token = prepared.prompt_ids[0]
+        entry = common_pb2.PositionLogprobs()
+        entry.sampled.token_id = token
+        if self.model.tokenizer is not None:
+            raw = self.model.tokenizer.token_bytes(token)
+            entry.sampled.token_bytes = raw
+            entry.sampled.token = raw.decode("utf-8", errors="replace")
+        return entry
 
     def _group(self) -> Group:
         """The healthy instances that can serve together: prefill and decode engines (else

@@ -25,6 +25,8 @@ class TextTokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes: ...
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
                             add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None,

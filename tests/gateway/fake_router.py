@@ -62,7 +62,7 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         self.requests.append(req)
         self.metadata.append({k: v for k, v in context.invocation_metadata() or ()
                               if isinstance(v, str)})
-        if req.model != MODEL:
+        if req.model not in ("", MODEL):
             await abort_with(context, StatusError(grpc.StatusCode.NOT_FOUND,
                                                   f"model: {req.model!r} is not served"))
         text = prompt_text(req)

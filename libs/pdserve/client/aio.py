@@ -6,7 +6,7 @@ A stream is cancelled on the server when it is closed: ``await stream.aclose()``
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Unpack
 
 import grpc
@@ -98,9 +98,11 @@ class AsyncClient:
     def chat(self, messages: Sequence[Message], *, model: str | None = None,
              timeout: Timeout = ..., metadata: Metadata | None = None,
              credentials: grpc.CallCredentials | None = None,
+             documents: Sequence[Mapping[str, str]] | None = None,
              **params: Unpack[GenerateParams]) -> AsyncGenerateStream:
         """As ``Client.chat``."""
-        request = build_request(self._model(model), messages=messages, params=params)
+        request = build_request(self._model(model), messages=messages, params=params,
+                                documents=documents)
         return self._generate(request, timeout, metadata, credentials)
 
     async def models(self, *, timeout: Timeout = ..., metadata: Metadata | None = None,

@@ -7,7 +7,7 @@ unfinished (``for chunk in client.generate(...): break``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Unpack
 
 import grpc
@@ -98,10 +98,12 @@ class Client:
     def chat(self, messages: Sequence[Message], *, model: str | None = None,
              timeout: Timeout = ..., metadata: Metadata | None = None,
              credentials: grpc.CallCredentials | None = None,
+             documents: Sequence[Mapping[str, str]] | None = None,
              **params: Unpack[GenerateParams]) -> GenerateStream:
         """Answer chat ``messages`` (``{"role": ..., "content": ...}``), rendered with the
-        model's chat template by the router."""
-        request = build_request(self._model(model), messages=messages, params=params)
+        model's chat template by the router (with ``tools`` and ``documents``)."""
+        request = build_request(self._model(model), messages=messages, params=params,
+                                documents=documents)
         return self._generate(request, timeout, metadata, credentials)
 
     def models(self, *, timeout: Timeout = ..., metadata: Metadata | None = None,
