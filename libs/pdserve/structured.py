@@ -74,6 +74,8 @@ def _compile(kind: str, value: str | tuple[str, ...]) -> str:
             raise BadRequest(f"{field}: not valid JSON: {exc}") from None
         if not isinstance(schema, dict | bool):
             raise BadRequest(f"{field}: a JSON Schema must be an object or a boolean")
+        if isinstance(schema, bool):  # true: anything; false: nothing
+            schema = {} if schema else {"not": {}}
         try:
             grammar = matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         except ValueError as exc:

@@ -153,7 +153,7 @@ def _as_call(obj: Any, names: set[str], args_keys: tuple[str, ...]) -> tuple[str
         return None
     if names and obj["name"] not in names:
         return None
-    args = next((obj[k] for k in args_keys if k in obj), {})
+    args: Any = next((obj[k] for k in args_keys if k in obj), {})
     return obj["name"], args
 
 

@@ -134,8 +134,8 @@ class Router:
         """Stream the answer to ``request``; raises ``StatusError`` for a status to return."""
         arrived = time.perf_counter()
         heavy = _is_heavy(request)  # tokenizing and hashing a long prompt must not stall the loop
-        args = (request, self.model, self.limits, self.tool_call_parser)
-        prepared = await asyncio.to_thread(prepare, *args) if heavy else prepare(*args)
+        todo = (request, self.model, self.limits, self.tool_call_parser)
+        prepared = await asyncio.to_thread(prepare, *todo) if heavy else prepare(*todo)
         tenant = prepared.meta.tenant
         cost = len(prepared.prompt_ids) + prepared.sampling.max_tokens
         if self.num_in_flight >= self.max_concurrent:

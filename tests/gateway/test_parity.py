@@ -5,9 +5,6 @@ build the same ``GenerateRequest``."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import json
 import typing
 from pathlib import Path
@@ -100,8 +97,8 @@ def test_the_client_speaks_every_router_sampling_and_meta_field() -> None:
     assert {p.split(".", 1)[1].split(".")[0].removesuffix("[]") for p in router_fields()
             if p.startswith(("sampling.", "meta."))} == SAMPLING_FIELDS | META_FIELDS
     top = {f.name for f in router_pb2.GenerateRequest.DESCRIPTOR.fields}
-    assert REQUEST_FIELDS == top - {"model", "prompt", "prompt_token_ids", "chat", "sampling",
-                                    "meta"}
+    assert top - {"model", "prompt", "prompt_token_ids", "chat", "sampling",
+                                    "meta"} == REQUEST_FIELDS
 
 
 def _client_params(body: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""Tool-call parsing (``pdserve.tool_calls``) and the router's tool plan (``services.router.tools``):
-each family's format whole and split at every character, what is not a call stays content,
-forced calls' schemas, and the request checks that name their field."""
+"""Tool-call parsing (``pdserve.tool_calls``) and the router's tool plan
+(``services.router.tools``): each family's format whole and split at every character, what is
+not a call stays content, forced calls' schemas, and the request checks that name their field.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import jsonschema
 import pytest
 
 from pdserve.errors import BadRequest
+from pdserve.models.loader import builtin_tokenizer
 from pdserve.proto.v1 import router_pb2
+from pdserve.tokenizer import Tokenizer
 from pdserve.tool_calls import (
     CallDelta,
     HermesParser,
@@ -23,8 +26,6 @@ from pdserve.tool_calls import (
     detect_parser,
     forced_output,
 )
-from pdserve.models.loader import builtin_tokenizer
-from pdserve.tokenizer import Tokenizer
 from services.router.model import ModelSpec
 from services.router.requests import RouterLimits, prepare
 

@@ -132,7 +132,7 @@ def _assign(message: Any, name: str, value: Any, path: str) -> None:
         elif field.message_type is not None and not field.is_repeated:
             target = getattr(message, name)
             if isinstance(value, Mapping):
-                json_format.ParseDict(value, target)
+                json_format.ParseDict(dict(value), target)
             else:
                 target.CopyFrom(value)
         elif isinstance(value, (list, tuple)):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -63,7 +64,7 @@ class GuideFactory:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
-        self._lltok: object | None = None
+        self._lltok: Any = None
 
     def guide(self, structured: StructuredOutput, replay: Sequence[int] = ()) -> Guide:
         import llguidance
@@ -77,7 +78,7 @@ class GuideFactory:
             guide.accept(token)
         return guide
 
-    def _tokenizer_view(self) -> object:
+    def _tokenizer_view(self) -> Any:
         if self._lltok is None:
             import llguidance
 
