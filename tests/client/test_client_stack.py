@@ -219,7 +219,7 @@ def test_the_banners_grpc_example_runs(stack: UpStack) -> None:
 
 
 def test_models_and_cluster_state(client: Client) -> None:
-    assert client.models() == [Model("tiny", client.models()[0].max_context, 16)]
+    assert client.models() == [Model("tiny", client.models()[0].max_context, 16, "tiny")]
     state = client.cluster_state()
     roles = sorted(i.role for i in state.instances)
     assert roles == [common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE]

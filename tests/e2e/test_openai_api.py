@@ -229,3 +229,27 @@ def test_bad_structures_are_400_naming_the_field(stack: UpStack, body: dict[str,
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
     assert err["param"] == param and needle in err["message"], err
+
+
+def test_the_grpc_client_gets_the_same(stack: UpStack) -> None:
+    """pdserve.client at the router's door: tokenize, a forced tool call, echo."""
+    from pdserve import auth
+    from pdserve.client import Client
+
+    with Client(stack.router, metadata=stack.metadata(auth.CLIENT), timeout=300) as client:
+        assert [(m.id, m.max_context) for m in client.models()] == [(n, 8192) for n in NAMES]
+        ids = client.tokenize("Hello world")
+        assert client.detokenize(ids) == "Hello world"
+        assert client.tokenize(messages=ASK) == httpx.post(
+            stack.base_url.removesuffix("/v1") + "/tokenize", json={"messages": ASK}).json()[
+                "tokens"]
+        tool = {"name": "get_weather", **{k: v for k, v in WEATHER["function"].items()
+                                           if k != "name"}}
+        done = client.chat(ASK, tools=[tool], tool_choice={"function": "get_weather"},
+                           max_tokens=60, temperature=0).collect()
+        [call] = done.tool_calls
+        assert call.name == "get_weather" and call.id.startswith("call_") and done.text == ""
+        jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+        echoed = client.generate(ids, echo=True, prompt_logprobs=1, max_tokens=1).collect()
+        assert echoed.prompt_text == "Hello world" and len(echoed.prompt_logprobs) == len(ids)
+        assert [p.sampled.token_id for p in echoed.prompt_logprobs] == ids

@@ -97,6 +97,22 @@ def build_request(model: str, prompt: str | Sequence[int] | None = None,
     return request
 
 
+def build_tokenize_request(model: str, prompt: str | None = None,
+                           messages: Sequence[Message] | None = None,
+                           add_special_tokens: bool = True, add_generation_prompt: bool = True,
+                           tools: Sequence[ToolArg] = ()) -> router_pb2.TokenizeRequest:
+    """``Router.Tokenize`` of a text prompt or chat ``messages`` (rendered with ``tools``)."""
+    request = router_pb2.TokenizeRequest(model=model,
+                                         tools=[_tool(i, t) for i, t in enumerate(tools)])
+    if messages is not None:
+        request.chat.messages.extend(_chat_message(i, m) for i, m in enumerate(messages))
+        request.add_generation_prompt = add_generation_prompt
+    else:
+        request.prompt = prompt or ""
+        request.add_special_tokens = add_special_tokens
+    return request
+
+
 def _request_field(request: router_pb2.GenerateRequest, name: str, value: Any) -> None:
     if name == "tools":
         request.tools.extend(_tool(i, t) for i, t in enumerate(value))

@@ -24,15 +24,20 @@ decode engine that continues a prefilled request, the last ``num_prior_output`` 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pdserve.engine.guided import Guide, apply_bitmask, bitmask_width
 from pdserve.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from pdserve.engine.request import Request
+
+class Request(Protocol):
+    """What processing reads of ``pdserve.engine.request.Request`` (which holds the state)."""
+
+    params: SamplingParams
+    token_ids: list[int]
+    logits_state: LogitsState | None
 
 
 class LogitsState:
