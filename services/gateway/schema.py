@@ -17,6 +17,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdserve.proto.v1 import common_pb2, router_pb2
+from services.gateway.objects import (
+    FieldError,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+)
 
 UINT32_MAX = 2**32 - 1
 UINT64_MASK = 2**64 - 1
@@ -24,39 +31,9 @@ MAX_LOGPROBS = 20  # the router contract's bound on top alternatives
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
-class FieldError(ValueError):
-    """A model-level check that names its field (pydantic would otherwise report loc=())."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
-
-
-class JsonSchemaFormat(BaseModel):
-    """``response_format.json_schema``: OpenAI's structured outputs."""
-
-    model_config = ConfigDict(extra="ignore")
-    name: str = "response"
-    description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise FieldError("response_format.json_schema", "is required with type json_schema")
-        return self
 
 
 class _Common(BaseModel):
@@ -272,25 +249,6 @@ class TextPart(BaseModel):
     text: str = ""
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str
-    arguments: str = ""  # JSON text, as OpenAI sends it
-
-
-class ToolCall(BaseModel):
-    """An assistant turn's call (``messages[].tool_calls[]``)."""
-
-    model_config = ConfigDict(extra="ignore")
-    id: str = ""
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-    def to_proto(self) -> router_pb2.ToolCall:
-        return router_pb2.ToolCall(id=self.id, name=self.function.name,
-                                   arguments=self.function.arguments)
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -327,42 +285,6 @@ class ChatMessage(BaseModel):
             role=role, content=content or "",
             tool_calls=[c.to_proto() for c in self.tool_calls or ()],
             tool_call_id=self.tool_call_id or "", name=self.name or "")
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str = Field(min_length=1, max_length=64)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    """``tools[]``: a function the model may call."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-    def to_proto(self) -> router_pb2.Tool:
-        f = self.function
-        return router_pb2.Tool(
-            name=f.name, description=f.description or "",
-            parameters=json.dumps(f.parameters) if f.parameters is not None else "",
-            strict=bool(f.strict))
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    name: str = Field(min_length=1)
-
-
-class NamedToolChoice(BaseModel):
-    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
-
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["function"] = "function"
-    function: NamedFunction
 
 
 class ChatCompletionRequest(_Common):
