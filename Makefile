@@ -13,7 +13,7 @@ BUF_STAMP := node_modules/.installed
 # `make proto-baseline`. Any buf input can stand in: BUF_AGAINST='.git#tag=v1.0.0,subdir=protos'.
 BUF_AGAINST ?= protos/v1-baseline.json
 
-.PHONY: setup protos proto-baseline run test lint bench clean
+.PHONY: setup protos proto-baseline run test lint bench clean gpu-bundle device-check
 
 setup: .setup-stamp $(STUBS) $(BUF_STAMP)
 
@@ -53,6 +53,14 @@ lint: setup
 bench: setup
 	$(VENV)/bin/pdserve bench all
 
+# The device check (docs/benchmarks.md): build the bundle where PyPI is reachable, then run
+# `make device-check` (or scripts/device_check.sh) on the GPU machine.
+gpu-bundle: setup
+	$(PY) scripts/gpu_bundle/build.py
+
+device-check:
+	scripts/device_check.sh
+
 clean:
-	rm -rf $(VENV) .setup-stamp libs/pdserve/proto/v1 build *.egg-info .pytest_cache .mypy_cache .ruff_cache \
-		node_modules
+	rm -rf $(VENV) .setup-stamp .gpu-bundle device-check-out libs/pdserve/proto/v1 build *.egg-info \
+		.pytest_cache .mypy_cache .ruff_cache node_modules

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,12 +29,13 @@ from pathlib import Path
 from pdserve import env
 from pdserve.roles import Role
 from pdserve.tool_calls import PARSERS
+from services.devices import engine_flags, parse_cpus, parse_devices, place
 from services.router.config import RouterConfig
 from services.router.policy import POLICIES
 from services.stack_secrets import StackSecrets
 
 ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"pdserve (\w+) listening on (\S+):(\d+)")
+READY = re.compile(r"pdserve (\w+) listening on (\S+):(\d+)(?: \(metrics on (\S+)\))?")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,18 +68,6 @@ def start_redis(exe: str, host: str, port: int, password: str = "") -> subproces
     raise RuntimeError(f"private redis-server did not start on {host}:{port}")
 
 
-def parse_cpus(spec: str) -> list[set[int]]:
-    """``"0;1"`` -> [{0}, {1}]; ``"0-1"`` -> [{0, 1}]; one set per instance, cycled."""
-    groups: list[set[int]] = []
-    for group in filter(None, spec.split(";")):
-        cpus: set[int] = set()
-        for part in group.split(","):
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-        groups.append(cpus)
-    return groups
-
-
 @dataclass
 class Proc:
     """One supervised child: its command, where it listens, and how often it was restarted."""
@@ -87,6 +77,9 @@ class Proc:
     port: int
     cpus: set[int] | None = None
     env: dict[str, str] = field(default_factory=dict)  # its own: only its role's credentials
+    metrics: str = ""  # host:port of its /metrics, read from its ready line
+    log: Path | None = None  # its stderr, kept (appended across restarts)
+    verbose: bool = False  # also stream it, prefixed with its name
     popen: subprocess.Popen[str] | None = None
     restarts: int = 0
     log_tail: list[str] = field(default_factory=list)
@@ -106,10 +99,13 @@ class Proc:
 
     def _drain_stderr(self) -> None:
         assert self.popen is not None and self.popen.stderr is not None
-        for line in self.popen.stderr:
-            self.log_tail = [*self.log_tail[-40:], line.rstrip()]
-            if env.up_verbose():
-                sys.stderr.write(f"[{self.name}] {line}")
+        with (self.log.open("a", encoding="utf-8") if self.log else open(os.devnull, "w")) as out:
+            for line in self.popen.stderr:
+                self.log_tail = [*self.log_tail[-40:], line.rstrip()]
+                out.write(line)
+                out.flush()
+                if self.verbose:
+                    sys.stderr.write(f"[{self.name}] {line}")
 
     def wait_ready(self, timeout: float) -> None:
         assert self.popen is not None and self.popen.stdout is not None
@@ -119,12 +115,14 @@ class Proc:
                                   daemon=True)
         reader.start()
         reader.join(max(0.0, deadline - time.monotonic()))
-        if not result or not READY.search(result[0]):
+        ready = READY.search(result[0]) if result else None
+        if ready is None:
             if self.popen.poll() is not None and self._stderr_reader is not None:
                 self._stderr_reader.join(timeout=2)  # died: let its last words reach the tail
             tail = "\n  ".join(self.log_tail[-15:])
             raise RuntimeError(f"{self.name} did not become ready (exit code "
                                f"{self.popen.poll()}); its last log lines:\n  {tail}")
+        self.metrics = ready.group(4) or ""
         threading.Thread(target=self._drain_stdout, daemon=True).start()
 
     def _drain_stdout(self) -> None:
@@ -148,6 +146,9 @@ def _module(name: str) -> list[str]:
 
 
 def _args(ns: argparse.Namespace) -> argparse.Namespace:
+    if len(parse_devices("--device", ns.device)) != 1:
+        raise SystemExit("pdserve up: error: --device: one device (per-engine lists are "
+                         "--prefill-devices and --decode-devices)")
     if ns.colocated:
         ns.prefill = 0
     elif ns.prefill < 1 or ns.decode < 1:
@@ -175,10 +176,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys-file", default="", help="API keys file; none = loopback without auth")
     p.add_argument("--prefill-cpus", default="", help="CPU sets per prefill instance, e.g. '0;1'")
     p.add_argument("--decode-cpus", default="", help="CPU sets per decode/colocated instance")
+    p.add_argument("--device", default="cpu", help="device of every engine: cpu, cuda, cuda:N")
+    p.add_argument("--prefill-devices", default="",
+                   help="devices per prefill instance, cycled, e.g. 'cuda:0,cuda:1'")
+    p.add_argument("--decode-devices", default="", help="devices per decode/colocated instance")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.0,
+                   help="share of its GPU per engine; 0 = 0.9 split among the engines on it")
     p.add_argument("--kvd-capacity-mib", type=int, default=256, help="pool size of each kvd")
     p.add_argument("--engine-arg", action="append", default=[],
                    help="extra flag for every engine, e.g. --engine-arg=--max-num-seqs=32")
     p.add_argument("--ready-timeout", type=float, default=180.0)
+    p.add_argument("--prometheus-config", default="",
+                   help="write a Prometheus scrape config for every service's /metrics here")
+    p.add_argument("--log-dir", default="",
+                   help="write each service's log to DIR/<service>.log (default: a new "
+                        "temporary directory, printed)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also stream every service's log here, prefixed with its name")
+    p.add_argument("--otel-endpoint", default="",
+                   help="OTLP/gRPC collector every service sends its spans to")
     p.add_argument("--no-restart", action="store_true", help="report dead services, do not restart")
     return p
 
@@ -191,6 +207,10 @@ class Stack:
         self.procs: list[Proc] = []
         self.env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}",
                     "PYTHONUNBUFFERED": "1", "UCXPY_PROGRESS_MODE": "blocking"}
+        if ns.otel_endpoint:
+            self.env[env.OTEL_ENDPOINT_VAR] = ns.otel_endpoint
+        self.log_dir = Path(ns.log_dir or tempfile.mkdtemp(prefix="pdserve-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.redis_url = os.environ.get(env.REDIS_URL_VAR, "")
         self.secrets = StackSecrets(os.environ)
         self.redis: subprocess.Popen[bytes] | None = None
@@ -212,7 +232,11 @@ class Stack:
              port: int | None = None) -> Proc:
         port = free_port(self.ns.host) if port is None else port
         args = [*_module(module), "--host", self.ns.host, "--port", str(port), *flags]
-        proc = Proc(name, args, port, cpus, self.secrets.env_for(module, self.env))
+        if module != "gateway":  # its /metrics is on its HTTP port; the others: a free one
+            args += ["--metrics-port", "0"]
+        proc = Proc(name, args, port, cpus, self.secrets.env_for(module, self.env),
+                    log=self.log_dir / f"{name}.log",
+                    verbose=self.ns.verbose or env.up_verbose())
         self.procs.append(proc)
         return proc
 
@@ -220,6 +244,12 @@ class Stack:
         ns = self.ns
         self.secrets.set_redis_url(self.redis_url)  # in the environment of who uses it
         prefill_cpus, decode_cpus = parse_cpus(ns.prefill_cpus), parse_cpus(ns.decode_cpus)
+        device_of = {Role.PREFILL: place(ns.device, parse_devices("--prefill-devices",
+                                                                  ns.prefill_devices), ns.prefill),
+                     Role.DECODE: place(ns.device, parse_devices("--decode-devices",
+                                                                 ns.decode_devices), ns.decode)}
+        placement = iter(engine_flags([*device_of[Role.PREFILL], *device_of[Role.DECODE]],
+                                      ns.gpu_memory_utilization))
         engines: dict[Role, list[str]] = {Role.PREFILL: [], Role.DECODE: []}
         roles = [(Role.PREFILL, ns.prefill, prefill_cpus),
                  (Role.DECODE, ns.decode, decode_cpus)]
@@ -237,7 +267,7 @@ class Stack:
                 eng = self._add(f"{role}-{i}", role,
                                 ["--model", ns.model, "--role", engine_role,
                                  "--instance-id", f"{role[0]}{i}", *kvd_flags, *threads,
-                                 *ns.engine_arg], cpu)
+                                 *next(placement), *ns.engine_arg], cpu)
                 engines[role].append(f"{ns.host}:{eng.port}")
         names = ["--served-model-name", ",".join(ns.served_model_name)] \
             if ns.served_model_name else []
@@ -294,6 +324,24 @@ class Stack:
         self.secrets.remove()
 
 
+def write_prometheus_config(path: str, stack: Stack) -> None:
+    """A scrape config with one job per service kind, labelled with each instance's name."""
+    jobs: dict[str, list[tuple[str, str]]] = {}
+    for proc in stack.procs:
+        if proc.metrics:
+            jobs.setdefault(proc.name.split("-")[0], []).append((proc.name, proc.metrics))
+    lines = ["# pdserve up: every service's /metrics (Prometheus scrape config)",
+             "scrape_configs:"]
+    for job, targets in sorted(jobs.items()):
+        lines += [f"  - job_name: pdserve-{job}", "    static_configs:"]
+        lines += [f"      - targets: ['{t}']\n        labels: {{pdserve_name: {n}}}"
+                  for n, t in targets]
+    if not stack.ns.keys_file:  # with API keys, the gateway's /metrics needs one
+        lines += ["  - job_name: pdserve-gateway", "    static_configs:",
+                  f"      - targets: ['{stack.ns.host}:{stack.gateway.port}']"]
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
 def _without_password(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
@@ -307,6 +355,13 @@ def _banner(stack: Stack) -> None:
     print(f"pdserve router: {stack.router_address}")
     print(f"pdserve redis: {_without_password(stack.redis_url) or 'none'}")
     print(f"pdserve secrets: {stack.secrets.directory}")
+    print(f"pdserve logs: {stack.log_dir}")
+    print("pdserve metrics: " + " ".join(f"{p.name}={p.metrics}" for p in stack.procs
+                                          if p.metrics)
+          + f" gateway={ns.host}:{stack.gateway.port}/metrics")
+    if ns.prometheus_config:
+        write_prometheus_config(ns.prometheus_config, stack)
+        print(f"pdserve prometheus config: {ns.prometheus_config}")
     print(f"""
 Try it {auth}:
   curl {base}/completions -H 'Content-Type: application/json' \\

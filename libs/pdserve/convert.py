@@ -7,12 +7,16 @@ their ``SamplingParams`` with it. Errors are ``BadRequest`` naming the proto fie
 
 from __future__ import annotations
 
-from pdserve.engine.request import Logprob
+from typing import TYPE_CHECKING
+
 from pdserve.errors import BadRequest
 from pdserve.proto.v1 import common_pb2
 from pdserve.sampling_params import SamplingParams
 from pdserve.structured import StructuredOutput
-from pdserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the router imports this module and must not pay for torch
+    from pdserve.engine.request import Logprob
+    from pdserve.tokenizer import Tokenizer
 
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,

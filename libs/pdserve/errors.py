@@ -2,8 +2,8 @@
 
 Code that finds a problem raises ``StatusError`` (or ``BadRequest``, its INVALID_ARGUMENT
 form, whose message starts with the offending field); each rpc handler is wrapped in
-``@rpc_handler(...)``, which answers a StatusError with its code, its message and a
-``google.rpc.Status`` in the ``grpc-status-details-bin`` trailer (grpcio-status) carrying:
+``@rpc_handler(...)`` (``pdserve.rpc``), which answers a StatusError with its code, its message
+and a ``google.rpc.Status`` in the ``grpc-status-details-bin`` trailer (grpcio-status) carrying:
 
     INVALID_ARGUMENT                 google.rpc.BadRequest: one field violation per bad field
                                      (``sampling.top_p``: the field's path in the request)
@@ -16,36 +16,25 @@ form, whose message starts with the offending field); each rpc handler is wrappe
 Anything else is a bug or a broken dependency, never the caller's fault: it is logged with its
 traceback and the request id, and answered INTERNAL naming that id.
 
-    @rpc_handler("Prefill")
-    async def Prefill(self, request, context): ...          # unary
-    @rpc_handler("Decode")
-    async def Decode(self, request, context): yield ...     # server streaming
-
 The other side reads the same details with ``details_of(rpc_error)``: the Python client
 (``pdserve.client``), the gateway's OpenAI errors and the router relaying an engine's status.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import functools
-import inspect
 import logging
 import math
 import re
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 log = logging.getLogger(__name__)
-F = TypeVar("F", bound=Callable[..., Any])
-OnDone = Callable[[str, grpc.StatusCode], None]
 
 RETRY_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 DEFAULT_RETRY_AFTER = 1.0  # seconds: about one router poll of instance health
@@ -173,73 +162,8 @@ def details_of(call: _CallLike) -> StatusDetails:
     return StatusDetails(tuple(violations), retry_after)
 
 
-def request_id_of(request: Any) -> str:
-    """The request id a message carries (``meta.request_id``), or a fresh one for the log."""
-    meta = getattr(request, "meta", None)
-    rid = getattr(meta, "request_id", "") or getattr(request, "request_id", "")
-    return str(rid) if rid else f"unnamed-{uuid.uuid4().hex[:12]}"
-
-
 async def abort_with(context: grpc.aio.ServicerContext, exc: StatusError) -> NoReturn:
     """End the call with ``exc``'s status, details included."""
     status = exc.to_status()
     await context.abort(status.code, status.details, status.trailing_metadata)
     raise AssertionError("unreachable: context.abort raises")
-
-
-async def _answer(exc: BaseException, rpc: str, request: Any,
-                  context: grpc.aio.ServicerContext) -> NoReturn:
-    """Abort ``context`` with the status ``exc`` stands for."""
-    if isinstance(exc, StatusError):
-        await abort_with(context, exc)
-    rid = request_id_of(request)
-    log.error("rpc failed with an internal error", exc_info=exc,
-              extra={"fields": {"rpc": rpc, "request_id": rid}})
-    await abort_with(context, StatusError(
-        grpc.StatusCode.INTERNAL,
-        f"{rpc}: internal error ({type(exc).__name__}) serving request {rid}; "
-        "the service log has the details"))
-
-
-@contextlib.asynccontextmanager
-async def _idiom(rpc: str, request: Any, context: grpc.aio.ServicerContext,
-                 on_done: OnDone | None) -> AsyncIterator[None]:
-    code = grpc.StatusCode.CANCELLED  # unless the body ends one way or another below
-    try:
-        yield
-        code = grpc.StatusCode.OK
-    except grpc.aio.AbortError:
-        code = context.code() or grpc.StatusCode.UNKNOWN  # the body chose it
-        raise
-    except Exception as exc:  # noqa: BLE001 - the idiom's one catch-all
-        code = exc.code if isinstance(exc, StatusError) else grpc.StatusCode.INTERNAL
-        await _answer(exc, rpc, request, context)
-    finally:
-        if on_done is not None:
-            on_done(rpc, code)
-
-
-def rpc_handler(rpc: str, on_done: OnDone | None = None) -> Callable[[F], F]:
-    """Wrap a servicer method (unary or server-streaming) in the error idiom above;
-    ``on_done(rpc, code)`` is called once per call with its final code (OK included)."""
-
-    def wrap(fn: F) -> F:
-        if inspect.isasyncgenfunction(fn):
-            @functools.wraps(fn)
-            async def stream(self: Any, request: Any,
-                             context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                async with _idiom(rpc, request, context, on_done):
-                    async for item in fn(self, request, context):
-                        yield item
-
-            return stream  # type: ignore[return-value]
-
-        @functools.wraps(fn)
-        async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            async with _idiom(rpc, request, context, on_done):
-                return await fn(self, request, context)
-            raise AssertionError("unreachable: the idiom answers every failure by aborting")
-
-        return unary  # type: ignore[return-value]
-
-    return wrap

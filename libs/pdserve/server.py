@@ -32,6 +32,9 @@ from pdserve.log import setup_logging
 from pdserve.telemetry import init_tracing
 
 log = logging.getLogger(__name__)
+# Metrics are on by default, on a documented port: the gRPC port + 1000 (router 51051, prefill
+# 51061, decode 51071, kvd 51081).
+METRICS_AUTO, METRICS_OFFSET = -2, 1000
 C = TypeVar("C", bound=ServiceConfig)
 G = TypeVar("G", bound="GrpcServiceConfig")
 
@@ -43,8 +46,10 @@ class GrpcServiceConfig(ServiceConfig):
 
     host: str = setting("127.0.0.1", NAME, "address to bind (never all interfaces by default)")
     port: int = port_setting(0)
-    metrics_port: int = setting(-1, int_kind(-1, 65535),
-                                "Prometheus /metrics port; -1 = off, 0 = a free one")
+    metrics_port: int = setting(
+        METRICS_AUTO, int_kind(METRICS_AUTO, 65535),
+        f"Prometheus /metrics port; {METRICS_AUTO} = the gRPC port + {METRICS_OFFSET} (a free "
+        "one when the gRPC port is 0), -1 = off, 0 = a free one")
     instance_id: str = setting("", STR,
                                "id in logs, traces and the registry (default: host:port)")
 
@@ -96,6 +101,13 @@ def make_server(host: str, port: int, services: Sequence[tuple[Any, Any, str]],
 
 def _bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def metrics_port(setting: int, grpc_port: int) -> int:
+    """The port ``--metrics-port`` means (``METRICS_AUTO`` resolved)."""
+    if setting != METRICS_AUTO:
+        return setting
+    return grpc_port + METRICS_OFFSET if 0 < grpc_port <= 65535 - METRICS_OFFSET else 0
 
 
 def start_metrics(host: str, port: int) -> int | None:
@@ -161,7 +173,8 @@ def run_grpc_main(config_cls: type[G], create: Callable[[G], Awaitable[Service]]
 
     async def run(config: G) -> None:
         svc = await create(config)
-        await serve(config.SERVICE, config.host, svc, metrics_port=config.metrics_port)
+        await serve(config.SERVICE, config.host, svc,
+                    metrics_port=metrics_port(config.metrics_port, config.port))
 
     return run_main(config_cls, run, argv)
 

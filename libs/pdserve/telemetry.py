@@ -1,18 +1,14 @@
 """OpenTelemetry tracing shared by every service.
 
 Spans cross process boundaries as W3C ``traceparent`` entries in gRPC metadata: a client calls
-``outbound_metadata()`` and passes the result as ``metadata=``; a servicer wraps its handler in
-``server_span(name, context)``. With ``PDSERVE_OTEL_ENDPOINT`` set, spans are exported over
-OTLP/gRPC; without it they are created (ids still propagate into logs) but not exported.
+``outbound_metadata()`` and passes the result as ``metadata=``; every servicer's handler runs in
+a server span continuing the caller's trace (``pdserve.rpc.rpc_handler``). With
+``PDSERVE_OTEL_ENDPOINT`` set, spans are exported over OTLP/gRPC; without it they are created
+(ids still propagate into logs) but not exported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
-
-import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -46,17 +42,3 @@ def outbound_metadata(extra: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[st
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
     return (*carrier.items(), *extra)
-
-
-@contextmanager
-def server_span(name: str, context: grpc.aio.ServicerContext | None,
-                **attributes: Any) -> Iterator[trace.Span]:
-    """A server span continuing the caller's trace (if its metadata carries one)."""
-    carrier = {k: v for k, v in (context.invocation_metadata() or ())
-               if isinstance(v, str)} if context is not None else {}
-    ctx = propagate.extract(carrier)
-    with tracer("pdserve").start_as_current_span(name, context=ctx,
-                                                 kind=trace.SpanKind.SERVER) as span:
-        for key, value in attributes.items():
-            span.set_attribute(key, value)
-        yield span

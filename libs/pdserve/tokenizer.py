@@ -39,12 +39,12 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable character each byte is written as."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    moved = [b for b in range(256) if b not in keep]
-    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+def bytes_to_unicode() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable character each byte value is written as."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    moved = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(moved)) for b in range(256)]
 
 
 def _decoder_types(spec: Any) -> set[str]:
@@ -82,7 +82,8 @@ class Tokenizer:
         # None: trust the tokenizer.json post-processor; a bool overrides it (tokenizer_config).
         self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
         decoders = _decoder_types(json.loads(tokenizer.to_str()).get("decoder"))
-        self._byte_level = _byte_level_alphabet() if "ByteLevel" in decoders else None
+        self._byte_level = ({c: b for b, c in enumerate(bytes_to_unicode())}
+                            if "ByteLevel" in decoders else None)
         self._byte_fallback = "ByteFallback" in decoders
         self._bytes: dict[int, bytes] = {}
 

@@ -105,8 +105,8 @@ async def _receive_blocks(inst: EngineInstance, job: DecodeJob, timeout: float) 
         raise BadRequest("blocks: this instance has no kvd (--kvd) to receive them from")
     start = time.monotonic()
     await inst.bridge.receive(job.blocks, job.source, timeout)
-    metrics.KV_WAIT_SECONDS.observe(time.monotonic() - start)
-    metrics.BLOCKS.labels("imported").inc(len(job.blocks))
+    metrics.observe(metrics.KV_WAIT_SECONDS, time.monotonic() - start)
+    metrics.count(metrics.BLOCKS, "imported", amount=len(job.blocks))
 
 
 async def _follow(job: DecodeJob, stream: RequestStream, params: SamplingParams,
@@ -122,7 +122,7 @@ async def _follow(job: DecodeJob, stream: RequestStream, params: SamplingParams,
             chunk.logprobs = list(zip(out.new_token_ids, out.logprobs, strict=True))
         num_done += len(out.new_token_ids)
         now = time.monotonic()
-        metrics.TOKEN_GAP_SECONDS.observe(now - last)
+        metrics.observe(metrics.TOKEN_GAP_SECONDS, now - last)
         last = now
         if out.finished and kept is not None and out.block_hashes is not None:
             # The answer's last tokens go out now; the stream ends once its blocks are in the
@@ -139,7 +139,7 @@ async def _follow(job: DecodeJob, stream: RequestStream, params: SamplingParams,
             # reports the prefill's cached_tokens.
             if job.first_token_id is None:
                 chunk.cached_tokens = out.num_prefix_hit_tokens
-            metrics.TOKENS.labels("generated").inc(num_done)
+            metrics.count(metrics.TOKENS, "generated", amount=num_done)
         if chunk.token_ids or chunk.finish_reason:
             yield chunk
 
@@ -186,7 +186,7 @@ class KeptBlocks:
             return
         try:
             exported = await self.inst.bridge.export(todo, None)
-            metrics.BLOCKS.labels("exported").inc(len(exported))
+            metrics.count(metrics.BLOCKS, "exported", amount=len(exported))
         except StatusError as exc:
             log.warning("answer blocks not kept in the kvd",
                         extra={"fields": {"request_id": self.job.request_id,

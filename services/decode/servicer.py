@@ -6,12 +6,13 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from pdserve.convert import finish_to_proto, logprobs_to_proto, prompt_logprobs_to_proto
-from pdserve.errors import BadRequest, rpc_handler
+from pdserve.errors import BadRequest
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.roles import Role
-from pdserve.telemetry import server_span
+from pdserve.rpc import rpc_handler
 from pdserve.tokenizer import Tokenizer
 from services.decode.decode import Chunk, DecodeJob, run_decode
 from services.engine import metrics
@@ -28,14 +29,14 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[engine_pb2.DecodeChunk]:
         inst = self.instance
         rid = request.meta.request_id or f"decode-{uuid.uuid4().hex}"
-        with server_span("Decode.Decode", context, request_id=rid,
-                         prompt_tokens=len(request.prompt_token_ids),
-                         num_blocks=len(request.blocks)):
-            job = _job_from_proto(request, rid, inst)
-            with inst.admit(Role.DECODE, Role.COLOCATED):
-                timeout = kvd_timeout(context, inst.config.kvd_timeout)
-                async for chunk in run_decode(inst, job, timeout):
-                    yield _chunk_to_proto(chunk, job.prompt, inst.engine.tokenizer)
+        trace.get_current_span().set_attributes(
+            {"request_id": rid, "prompt_tokens": len(request.prompt_token_ids),
+             "num_blocks": len(request.blocks)})
+        job = _job_from_proto(request, rid, inst)
+        with inst.admit(Role.DECODE, Role.COLOCATED):
+            timeout = kvd_timeout(context, inst.config.kvd_timeout)
+            async for chunk in run_decode(inst, job, timeout):
+                yield _chunk_to_proto(chunk, job.prompt, inst.engine.tokenizer)
 
 
 def _job_from_proto(request: engine_pb2.DecodeRequest, rid: str,

@@ -7,14 +7,16 @@ import time
 import grpc
 
 from pdserve.engine.request import EngineStats as CoreStats
-from pdserve.errors import BadRequest, rpc_handler
+from pdserve.errors import BadRequest
 from pdserve.proto.v1 import engine_pb2, engine_pb2_grpc
 from pdserve.roles import Role
-from pdserve.telemetry import server_span
+from pdserve.rpc import rpc_handler
 from services.engine.instance import EngineInstance
 
 
 class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
+    SERVICE = "Engine"  # span names: Engine.Drain, ...
+
     def __init__(self, instance: EngineInstance) -> None:
         self.instance = instance
 
@@ -38,8 +40,7 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
     @rpc_handler("Drain")
     async def Drain(self, request: engine_pb2.DrainRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.DrainResponse:
-        with server_span("Engine.Drain", context, wait=request.wait):
-            remaining = await self.instance.drain(request.wait)
+        remaining = await self.instance.drain(request.wait)
         return engine_pb2.DrainResponse(num_in_flight=remaining)
 
     @rpc_handler("SetRole")
@@ -48,8 +49,7 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
         role = Role.from_proto(request.role)
         if role not in (Role.PREFILL, Role.DECODE):
             raise BadRequest("role must be ROLE_PREFILL or ROLE_DECODE")
-        with server_span("Engine.SetRole", context, role=str(role)):
-            await self.instance.set_role(role)
+        await self.instance.set_role(role)
         return engine_pb2.SetRoleResponse(role=self.instance.role.proto)
 
     @rpc_handler("Abort")
@@ -57,6 +57,5 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
                     context: grpc.aio.ServicerContext) -> engine_pb2.AbortResponse:
         if not request.request_id:
             raise BadRequest("request_id must not be empty")
-        with server_span("Engine.Abort", context, request_id=request.request_id):
-            found = await self.instance.aengine.abort(request.request_id)
+        found = await self.instance.aengine.abort(request.request_id)
         return engine_pb2.AbortResponse(found=found)

@@ -13,6 +13,7 @@ from pdserve.attention import BACKENDS
 from pdserve.engine.config import DTYPE_NAMES, EngineArgs
 from pdserve.env import (
     BLOCK_SIZE,
+    BOOL,
     NAME,
     OPTIONAL_ADDRESS,
     STR,
@@ -39,7 +40,16 @@ class EngineServiceConfig(GrpcServiceConfig):
 
     model: str = setting("tiny", NAME,
                          "built-in model name (tiny, tiny-moe, bench-50m) or HF directory")
-    dtype: str = setting("auto", choice_kind(*DTYPE_NAMES), "weights dtype")
+    dtype: str = setting("auto", choice_kind(*DTYPE_NAMES),
+                         "weights dtype; auto = the checkpoint's (float32 ones run in bfloat16 "
+                         "on CUDA)")
+    device: str = setting("cpu", NAME, "torch device of the engine: cpu, cuda or cuda:N")
+    gpu_memory_utilization: float = setting(
+        0.9, float_kind(0.0),
+        "share of the CUDA device's memory this engine may use (weights, activations, KV "
+        "cache); the KV cache gets what is left (with --num-blocks 0)")
+    cuda_graphs: bool = setting(True, BOOL,
+                                "replay decode steps from CUDA graphs (CUDA with FlashInfer)")
     role: str = role_setting(Role.PREFILL)
     kvd: str = setting("", OPTIONAL_ADDRESS, "this node's kvd gRPC address; empty = no kvd")
     block_size: int = setting(16, BLOCK_SIZE, "tokens per KV block")
@@ -98,6 +108,9 @@ class EngineServiceConfig(GrpcServiceConfig):
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len or None,
-                attention_backend=self.attention_backend, dtype=self.dtype)
+                attention_backend=self.attention_backend, dtype=self.dtype,
+                device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
+                cuda_graphs=self.cuda_graphs)
         except ValueError as exc:
-            raise ConfigError(f"--{str(exc).replace('_', '-')}") from exc
+            field, _, rest = str(exc).partition(" ")  # every message starts with its field
+            raise ConfigError(f"--{field.replace('_', '-')} {rest}") from exc

@@ -81,6 +81,8 @@ class EngineInstance:
         if self._redis is not None:
             await self._redis.aclose()
         if self.bridge is not None:
+            if self.bridge.staging is not None:
+                self.bridge.staging.close()  # unregister the pool before it is unmapped
             await self.bridge.client.close()
         await self.aengine.close()
 

@@ -21,6 +21,7 @@ from pdserve.proto.v1 import engine_pb2, engine_pb2_grpc
 from pdserve.roles import Role
 from pdserve.server import Service, make_server, run_grpc_main
 from services.decode.servicer import DecodeServicer
+from services.engine import metrics
 from services.engine.admin import EngineAdminServicer
 from services.engine.config import EngineServiceConfig
 from services.engine.instance import EngineInstance, create_instance
@@ -58,9 +59,15 @@ async def create_server(config: EngineServiceConfig) -> Service:
 
     async def start() -> None:
         await instance.start(svc.port)
+        collector = metrics.bind(instance)  # its series are labelled with the bound address
+
+        async def stop() -> None:
+            collector.unregister()
+            await instance.stop()
+
+        svc.on_stop.append(stop)
 
     svc.on_start.append(start)
-    svc.on_stop.append(instance.stop)
     return svc
 
 

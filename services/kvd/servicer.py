@@ -8,9 +8,10 @@ from typing import Any
 import grpc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pdserve.errors import BadRequest, rpc_handler
+from pdserve.errors import BadRequest
 from pdserve.kvd.layout import BlockLayout
 from pdserve.proto.v1 import kvd_pb2, kvd_pb2_grpc
+from pdserve.rpc import rpc_handler
 from services.kvd.daemon import Kvd
 
 

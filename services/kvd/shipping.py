@@ -38,6 +38,8 @@ import numpy as np
 from pdserve.errors import StatusError
 from pdserve.hashing import block_checksum
 from pdserve.proto.v1 import common_pb2, kvd_pb2
+from pdserve.telemetry import outbound_metadata
+from services.kvd import metrics
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
 from services.kvd.pool import PinRecord, Pool
@@ -124,7 +126,7 @@ class Shipper:
                                       slots=list(slots), slot_bytes=self.slot_bytes)
         try:
             resp = await self._peers.stub(dest.address).Transfer(
-                req, timeout=RPC_TIMEOUT_S, metadata=self._peers.metadata)
+                req, timeout=RPC_TIMEOUT_S, metadata=outbound_metadata(self._peers.metadata))
         except grpc.RpcError as exc:
             log.warning("push announce failed", extra={"fields": {"dest": dest.address,
                                                                   "error": str(exc)}})
@@ -157,9 +159,11 @@ class Shipper:
     async def _send(self, dest: common_pb2.KvdEndpoint, address: bytes, tid: int,
                     messages: list[Message], pins: list[PinRecord]) -> None:
         try:
-            ep = await self._transport.endpoint(dest.node_id, address)
-            send = asyncio.ensure_future(self._transport.send(ep, tid, messages))
-            await self._watch(send, dest)
+            with metrics.transfer(self._me.node_id, "out", dest.node_id, len(pins),
+                                  len(pins) * self.slot_bytes):
+                ep = await self._transport.endpoint(dest.node_id, address)
+                send = asyncio.ensure_future(self._transport.send(ep, tid, messages))
+                await self._watch(send, dest)
             self.counters.bytes_out += len(pins) * self.slot_bytes
             self.counters.num_transfers += 1
         except (StatusError, TransportError) as exc:
@@ -239,7 +243,7 @@ class Shipper:
                                       slot_bytes=self.slot_bytes)
         try:
             resp = await self._peers.stub(tr.peer.address).Transfer(
-                req, timeout=RPC_TIMEOUT_S, metadata=self._peers.metadata)
+                req, timeout=RPC_TIMEOUT_S, metadata=outbound_metadata(self._peers.metadata))
         except grpc.RpcError as exc:
             self._fail(tr, range(len(tr.hashes)), StatusError(
                 grpc.StatusCode.UNAVAILABLE, f"source {tr.peer.node_id or tr.peer.address} "
@@ -262,6 +266,11 @@ class Shipper:
         await self._receive(got, ep, self._transport.plan(list(resp.slots), got.slots))
 
     async def _receive(self, tr: Inbound, ep: object, messages: list[Message]) -> None:
+        with metrics.transfer(self._me.node_id, "in", tr.peer.node_id, len(tr.hashes),
+                              len(tr.hashes) * self.slot_bytes):
+            await self._receive_all(tr, ep, messages)
+
+    async def _receive_all(self, tr: Inbound, ep: object, messages: list[Message]) -> None:
         tasks = self._transport.post_receives(ep, tr.transfer_id, messages)
         firsts = np.cumsum([0] + [m.num_blocks for m in messages]).tolist()
         bad: list[int] = []

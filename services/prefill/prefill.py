@@ -76,7 +76,7 @@ async def run_prefill(inst: EngineInstance, job: PrefillJob, kvd_timeout: float)
         usable = hashes[: (len(job.prompt) - 1) // bs]
         for exported in await inst.bridge.load_prefix(usable, kvd_timeout):
             commits.done[exported.hash] = exported
-        metrics.BLOCKS.labels("imported").inc(len(commits.done))
+        metrics.count(metrics.BLOCKS, "imported", amount=len(commits.done))
     stream = await inst.aengine.add_request(job.request_id, job.prompt, job.params,
                                             job.priority, job.cache_salt, prefill_only=True)
     try:
@@ -88,8 +88,8 @@ async def run_prefill(inst: EngineInstance, job: PrefillJob, kvd_timeout: float)
     result.queue_ms = stream.times.queue_s * 1e3
     result.compute_ms = stream.times.compute_s * 1e3
     result.commit_ms = commits.seconds * 1e3
-    metrics.TOKENS.labels("cached").inc(result.cached_tokens)
-    metrics.TOKENS.labels("prompt").inc(len(job.prompt) - result.cached_tokens)
+    metrics.count(metrics.TOKENS, "cached", amount=result.cached_tokens)
+    metrics.count(metrics.TOKENS, "prompt", amount=len(job.prompt) - result.cached_tokens)
     return result
 
 
@@ -117,7 +117,7 @@ async def _commit(inst: EngineInstance, blocks: list[tuple[bytes, int]],
     for exported in await inst.bridge.export(todo, destination):
         commits.done[exported.hash] = exported
     commits.seconds += time.monotonic() - start
-    metrics.BLOCKS.labels("exported").inc(len(todo))
+    metrics.count(metrics.BLOCKS, "exported", amount=len(todo))
 
 
 async def _finish(inst: EngineInstance, job: PrefillJob, final: RequestOutput, hashes: list[bytes],

@@ -6,12 +6,12 @@ import time
 import uuid
 
 import grpc
+from opentelemetry import trace
 
 from pdserve.convert import finish_to_proto, logprobs_to_proto, prompt_logprobs_to_proto
-from pdserve.errors import rpc_handler
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.roles import Role
-from pdserve.telemetry import server_span
+from pdserve.rpc import rpc_handler
 from services.engine import metrics
 from services.engine.convert import prompt_and_params
 from services.engine.instance import EngineInstance, kvd_timeout
@@ -28,13 +28,13 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         inst = self.instance
         rid = request.meta.request_id or f"prefill-{uuid.uuid4().hex}"
         start = time.monotonic()
-        with server_span("Prefill.Prefill", context, request_id=rid,
-                         prompt_tokens=len(request.prompt_token_ids)):
-            job = _job_from_proto(request, rid, inst)
-            with inst.admit(Role.PREFILL):
-                timeout = kvd_timeout(context, inst.config.kvd_timeout)
-                result = await run_prefill(inst, job, timeout)
-        metrics.PREFILL_SECONDS.observe(time.monotonic() - start)
+        trace.get_current_span().set_attributes(
+            {"request_id": rid, "prompt_tokens": len(request.prompt_token_ids)})
+        job = _job_from_proto(request, rid, inst)
+        with inst.admit(Role.PREFILL):
+            timeout = kvd_timeout(context, inst.config.kvd_timeout)
+            result = await run_prefill(inst, job, timeout)
+        metrics.observe(metrics.PREFILL_SECONDS, time.monotonic() - start)
         return _result_to_proto(result, inst, job)
 
 

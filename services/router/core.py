@@ -30,12 +30,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
-from opentelemetry.context import Context
+from opentelemetry import trace
 
 from pdserve.errors import StatusError
 from pdserve.hashing import hash_blocks
 from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
 from pdserve.roles import Role
+from pdserve.telemetry import outbound_metadata
 from services.router import metrics
 from services.router.flow import Flow, relay_decode, run_prefill
 from services.router.instances import Instance, InstancePool
@@ -129,7 +130,6 @@ class Router:
 
     async def generate(self, request: router_pb2.GenerateRequest,
                        time_remaining: Callable[[], float | None],
-                       trace_context: Context | None = None,
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream the answer to ``request``; raises ``StatusError`` for a status to return."""
         arrived = time.perf_counter()
@@ -147,9 +147,9 @@ class Router:
         except QuotaExceeded as exc:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
                               exc.retry_after) from exc
-        span = metrics.tracer.start_span("router.generate", context=trace_context)
+        span = trace.get_current_span()  # Router.Generate's (pdserve.rpc)
         span.set_attribute("pdserve.request_id", prepared.meta.request_id)
-        flow = Flow(prepared, time_remaining, metrics.trace_metadata(span), arrived,
+        flow = Flow(prepared, time_remaining, outbound_metadata(), arrived,
                     self.max_retries)
         self.num_in_flight += 1
         metrics.IN_FLIGHT.inc()
@@ -166,7 +166,12 @@ class Router:
                 messages = with_tool_calls(messages, prepared.tools)
             echo = prepared.prompt_text  # goes out once, with the first message
             first_entry = self._first_prompt_entry(prepared)
+            last = 0.0
             async for message in messages:
+                if message.token_ids:
+                    now = time.perf_counter()
+                    (metrics.ITL if last else metrics.TTFT).observe(now - (last or arrived))
+                    last = now
                 message.prompt_text, echo = echo, ""
                 if first_entry is not None:
                     entries = [first_entry, *message.prompt_logprobs]
@@ -185,7 +190,6 @@ class Router:
             if not flow.is_finished:
                 self._abort(flow)
             span.set_attribute("pdserve.completion_tokens", flow.num_tokens_sent)
-            span.end()
 
     def _first_prompt_entry(self, prepared: Prepared) -> common_pb2.PositionLogprobs | None:
         """With prompt logprobs, the first prompt token's entry: the engines score tokens

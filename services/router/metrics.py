@@ -1,11 +1,7 @@
-"""Prometheus metrics and OpenTelemetry tracing of the router (one set per process)."""
+"""Prometheus metrics of the router (one set per process)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from opentelemetry import propagate, trace
-from opentelemetry.context import Context
 from prometheus_client import Counter, Gauge, Histogram
 
 REQUESTS = Counter("pdserve_router_requests", "Generate requests by final status code", ["code"])
@@ -21,22 +17,12 @@ INDEX_AVAILABLE = Gauge("pdserve_router_index_available",
                         "1 while the Redis prefix index answers, 0 while routing by load only")
 HEALTHY_INSTANCES = Gauge("pdserve_router_healthy_instances", "Healthy instances by role",
                           ["role"])
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TTFT = Histogram("pdserve_router_ttft_seconds", "Arrival to the first token sent to the client",
+                 buckets=_LATENCY)
+ITL = Histogram("pdserve_router_inter_token_seconds", "Between two messages with tokens sent "
+                "to one client", buckets=_LATENCY)
 # Time from the request's arrival to its first outbound engine call: the router's own cost.
 ADDED_LATENCY = Histogram(
     "pdserve_router_added_latency_seconds", "Router time before the first engine call",
     buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0))
-
-tracer = trace.get_tracer("pdserve.router")
-
-
-def trace_metadata(span: trace.Span) -> tuple[tuple[str, str], ...]:
-    """W3C ``traceparent`` of ``span``, as gRPC metadata for the calls made on its behalf."""
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=trace.set_span_in_context(span))
-    return tuple(carrier.items())
-
-
-def extract_context(metadata: Sequence[tuple[str, str | bytes]] | None) -> Context:
-    """The caller's trace context from incoming gRPC metadata (a new trace if absent)."""
-    carrier = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
-    return propagate.extract(carrier)

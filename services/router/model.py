@@ -58,7 +58,7 @@ def load_model_spec(name: str, served_names: Sequence[str] = ()) -> ModelSpec:
     """Tokenizer, fingerprint and context of ``name`` (a built-in or a Hugging Face directory),
     without loading weights. The fingerprint recipe is ``pdserve.models``' own: a router
     hashing with another would never see a prefix hit."""
-    from pdserve.models import builtin, loader
+    from pdserve.models import builtin, files
     from pdserve.tokenizer import Tokenizer
 
     parsed = builtin.parse_builtin(name)
@@ -67,7 +67,7 @@ def load_model_spec(name: str, served_names: Sequence[str] = ()) -> ModelSpec:
         cfg = builtin.hf_config(base)
         return ModelSpec(name=name, fingerprint=builtin.fingerprint(base, seed),
                          max_context=int(cfg["max_position_embeddings"]),
-                         tokenizer=loader.builtin_tokenizer(), served_names=tuple(served_names))
+                         tokenizer=files.builtin_tokenizer(), served_names=tuple(served_names))
     path = Path(name)
     if not (path / "config.json").is_file():
         raise ValueError(f"--model: {name!r} is neither a built-in "
@@ -75,7 +75,7 @@ def load_model_spec(name: str, served_names: Sequence[str] = ()) -> ModelSpec:
                          f"config.json")
     try:
         config_text = (path / "config.json").read_text(encoding="utf-8")
-        fingerprint = loader.fingerprint(config_text, loader.weight_files(path))
+        fingerprint = files.fingerprint(config_text, files.weight_files(path))
         tokenizer = Tokenizer.from_dir(path)
     except (OSError, KeyError) as exc:
         raise ValueError(f"--model: cannot load {name!r}: {exc}") from exc

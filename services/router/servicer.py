@@ -8,8 +8,8 @@ from typing import Any
 
 import grpc
 
-from pdserve.errors import rpc_handler
 from pdserve.proto.v1 import router_pb2, router_pb2_grpc
+from pdserve.rpc import rpc_handler
 from services.router import metrics
 from services.router.core import Router
 
@@ -26,9 +26,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request: router_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext,
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        trace_context = metrics.extract_context(context.invocation_metadata())
-        async for message in self.router.generate(request, context.time_remaining,
-                                                  trace_context):
+        async for message in self.router.generate(request, context.time_remaining):
             yield message
 
     @rpc_handler("ListModels")

@@ -35,18 +35,22 @@ class UpStack:
     """One ``pdserve up`` and the addresses it printed."""
 
     args: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to the launcher's environment
     proc: subprocess.Popen[str] | None = None
     addresses: dict[str, str] = field(default_factory=dict)
     base_url: str = ""
     router: str = ""
     redis_url: str = ""
     secrets_dir: str = ""
+    log_dir: str = ""
+    metrics: dict[str, str] = field(default_factory=dict)  # service name -> host:port
     lines: list[str] = field(default_factory=list)
 
     def start(self, timeout: float = 240.0) -> UpStack:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", *self.args], cwd=ROOT,
-            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**child_env(), **self.env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True)
         ready = threading.Event()
         threading.Thread(target=self._read, args=(ready,), daemon=True).start()
@@ -69,6 +73,11 @@ class UpStack:
                 self.redis_url = line.split(": ", 1)[1]
             elif line.startswith("pdserve secrets: "):
                 self.secrets_dir = line.split(": ", 1)[1]
+            elif line.startswith("pdserve logs: "):
+                self.log_dir = line.split(": ", 1)[1]
+            elif line.startswith("pdserve metrics: "):
+                pairs = (p.split("=", 1) for p in line.split(": ", 1)[1].split())
+                self.metrics = {name: address for name, address in pairs}
             elif line.startswith("pdserve ready: "):
                 self.base_url = line.split(": ", 1)[1]
                 ready.set()

@@ -145,9 +145,11 @@ def test_dead_decode_fails_fast_then_recovers_without_router_restart(
     # Restart the same instance on the same address; the router must find it by itself.
     # Its environment as pdserve up gave it: the stack's credentials and Redis.
     restarted = subprocess.Popen(argv, cwd=ROOT, env=stack.role_env(), stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, text=True)
+                                 stderr=subprocess.PIPE, text=True)
     try:
-        assert restarted.stdout is not None and "listening on" in restarted.stdout.readline()
+        assert restarted.stdout is not None and restarted.stderr is not None
+        line = restarted.stdout.readline()
+        assert "listening on" in line, restarted.stderr.read()[-3000:]
         resp = wait_until(lambda: client.completions.create(
             model="tiny", prompt="hi", max_tokens=4, temperature=0), timeout=30, interval=0.5)
         assert resp.choices[0].text is not None and resp.usage.completion_tokens >= 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve.engine.cli import generate_main
 from pdserve.engine.config import EngineArgs
@@ -39,10 +40,32 @@ def test_sampling_params_reject(kw: dict, field: str) -> None:
     ({"dtype": "float64"}, "dtype"),
     ({"device": "nonsense"}, "device"),
     ({"max_model_len": 0}, "max_model_len"),
+    ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"device": "mps"}, "pdserve runs on cpu or cuda"),
 ])
 def test_engine_args_reject(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         EngineArgs(**kw)
+
+
+def _no_cuda_message(device: str) -> str:
+    if torch.version.cuda is None:
+        return (f"device {device!r}: this torch ({torch.__version__}) is a CPU-only build; "
+                "install a CUDA build of torch and the gpu extra")
+    return (f"device {device!r}: no CUDA device is visible (check the driver and "
+            "CUDA_VISIBLE_DEVICES)")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_where_none_exists_is_one_clear_line(device: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError) as err:
+        EngineArgs(device=device)
+    assert str(err.value) == _no_cuda_message(device)
+    assert generate_main(["--prompt", "hi", "--device", device]) == 2
+    assert capsys.readouterr().err == f"error: {_no_cuda_message(device)}\n"
 
 
 @pytest.fixture(scope="module")

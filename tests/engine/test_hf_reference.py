@@ -21,7 +21,7 @@ from pdserve.attention.base import AttentionMetadata
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
 from pdserve.engine.kv_cache import PagedKVCache
-from pdserve.models.builtin_tokenizer import VOCAB_SIZE, tokenizer_config, tokenizer_json
+from pdserve.models.builtin_vocab import VOCAB_SIZE, tokenizer_config, tokenizer_json
 from pdserve.sampling_params import SamplingParams
 
 LOGIT_ATOL = 1e-4

@@ -143,3 +143,26 @@ def test_stop_token_ids_eos_and_length(llm: LLM, prompts) -> None:
         engine.eos_token_ids = saved
     assert (eos.finish_reason, eos.token_ids) == ("stop", base.token_ids[:first + 1])
     assert ignored.token_ids == base.token_ids
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the aten ops a block of code runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("kw", "sorts"), [({"temperature": 0.8}, False),
+                                           ({"temperature": 0.8, "min_p": 0.1}, False),
+                                           ({"temperature": 0.8, "top_k": 5}, True),
+                                           ({"temperature": 0.8, "top_p": 0.9}, True)])
+def test_vocabulary_is_sorted_only_for_top_k_or_top_p(kw: dict, sorts: bool) -> None:
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
+    with _Ops() as ops:
+        Sampler(seed=0)(logits, _reqs(4, **kw))
+    assert ("sort" in ops.names) is sorts, sorted(ops.names)

@@ -15,9 +15,9 @@ from pdserve.errors import (
     StatusDetails,
     StatusError,
     details_of,
-    rpc_handler,
 )
 from pdserve.proto.v1 import router_pb2, router_pb2_grpc
+from pdserve.rpc import rpc_handler
 from pdserve.server import make_server
 
 FAILURES: dict[str, Exception] = {

@@ -237,3 +237,25 @@ def test_the_wheel_pulls_matplotlib_only_with_the_bench_extra(tmp_path: Path) ->
     assert by_name["matplotlib"].endswith('extra == "bench"')
     assert by_name["httpx"].endswith('extra == "bench"')
     assert 'extra ==' not in by_name["grpcio"]
+
+
+_NO_TORCH = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("torch", "transformers", "safetensors"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)")
+sys.meta_path.insert(0, Block())
+import services.router.__main__, services.kvd.__main__, services.gateway.__main__
+from services.router.model import load_model_spec
+print(load_model_spec("tiny").fingerprint)
+"""
+
+
+def test_router_kvd_and_gateway_run_without_torch() -> None:
+    """Their images carry no torch: the router reads a model's tokenizer and fingerprint
+    from its files, the kvd moves bytes, the gateway speaks HTTP."""
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "tiny@0"

@@ -30,7 +30,8 @@ class KvdProc:
         if secret:  # the data-plane credential, as pdserve up hands it over: never a flag
             env["PDSERVE_SECRET"] = secret
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.kvd", "--port", str(self.port), "--node-id",
+            [sys.executable, "-m", "services.kvd", "--port", str(self.port), "--metrics-port", "0",
+             "--node-id",
              self.node_id, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None

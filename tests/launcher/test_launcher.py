@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from services.launcher import build_parser, parse_cpus
+from services.launcher import Stack, _args, build_parser, parse_cpus
 from tests.e2e.stack import ROOT, UpStack, child_env
 
 
@@ -42,3 +42,56 @@ def test_a_service_that_cannot_start_is_reported_with_its_log() -> None:
     output = str(err.value)
     assert "decode-0 did not become ready" in output
     assert "/no/such/model/dir" in output
+
+
+def _engine_flags(args: list[str]) -> dict[str, list[str]]:
+    """The engines' command lines ``pdserve up args`` would start, by name."""
+    stack = Stack(_args(build_parser().parse_args(args)))
+    stack.redis_url = ""
+    stack.plan()
+    return {p.name: p.args for p in stack.procs if p.name.startswith(("prefill", "decode"))}
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_engines_run_on_cpu_by_default() -> None:
+    for argv in _engine_flags([]).values():
+        assert _flag(argv, "--device") == "cpu"
+        assert _flag(argv, "--gpu-memory-utilization") is None
+
+
+def test_engines_on_one_gpu_split_its_memory() -> None:
+    engines = _engine_flags(["--device", "cuda", "--prefill", "1", "--decode", "2"])
+    assert {n: _flag(a, "--device") for n, a in engines.items()} == {
+        "prefill-0": "cuda", "decode-0": "cuda", "decode-1": "cuda"}
+    assert {_flag(a, "--gpu-memory-utilization") for a in engines.values()} == {"0.300"}
+
+
+def test_per_engine_device_lists_are_cycled() -> None:
+    engines = _engine_flags(["--prefill", "2", "--decode", "3", "--prefill-devices", "cuda:0",
+                             "--decode-devices", "cuda:1,cuda:2",
+                             "--gpu-memory-utilization", "0.45"])
+    assert {n: _flag(a, "--device") for n, a in engines.items()} == {
+        "prefill-0": "cuda:0", "prefill-1": "cuda:0", "decode-0": "cuda:1",
+        "decode-1": "cuda:2", "decode-2": "cuda:1"}
+    assert {_flag(a, "--gpu-memory-utilization") for a in engines.values()} == {"0.450"}
+
+
+def test_colocated_engines_take_the_decode_devices() -> None:
+    engines = _engine_flags(["--colocated", "--decode", "2", "--decode-devices", "cuda:0,cpu"])
+    assert [_flag(a, "--device") for a in engines.values()] == ["cuda:0", "cpu"]
+    assert _flag(engines["decode-0"], "--gpu-memory-utilization") == "0.900"
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--device", "gpu"], "pdserve up: error: --device: 'gpu' is not cpu, cuda or cuda:N"),
+    (["--device", "cuda,cuda:1"], "pdserve up: error: --device: one device"),
+    (["--decode-devices", "cuda:x"],
+     "pdserve up: error: --decode-devices: 'cuda:x' is not cpu, cuda or cuda:N"),
+])
+def test_bad_devices_are_named(args: list[str], needle: str) -> None:
+    with pytest.raises(SystemExit) as err:
+        _engine_flags(args)
+    assert str(err.value).startswith(needle)

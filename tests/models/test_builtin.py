@@ -13,7 +13,7 @@ import transformers
 
 from pdserve.models import BUILTIN_MODELS, load_model
 from pdserve.models.builtin import hf_config, iter_weights, tensor_shapes
-from pdserve.models.builtin_tokenizer import tokenizer_json
+from pdserve.models.builtin_vocab import tokenizer_json
 
 from .conftest import pdserve_logits, reference_logits
 

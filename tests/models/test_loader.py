@@ -68,12 +68,20 @@ def test_bfloat16_checkpoint_loads_as_bfloat16_on_auto(
     assert torch.equal(dict(upcast.model.named_parameters())["embed_tokens"], expected)
 
 
+def test_auto_dtype_is_bfloat16_on_cuda_for_float32_checkpoints() -> None:
+    cfg = {"dtype": "float32"}
+    assert resolve_dtype("auto", cfg, "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", cfg, "cpu") == torch.float32
+    assert resolve_dtype("auto", {"dtype": "float16"}, "cuda:1") == torch.float16
+    assert resolve_dtype("float32", cfg, "cuda") == torch.float32
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
 def test_cuda_matches_cpu(name: str) -> None:
     from .conftest import pdserve_logits
 
-    cpu, gpu = load_model(name), load_model(name, device="cuda")
+    cpu, gpu = load_model(name), load_model(name, dtype="float32", device="cuda")
     assert all(p.device.type == "cuda" for p in gpu.model.parameters())
     ids = torch.tensor(cpu.tokenizer.encode("The market opens near the bridge."))
     expected = pdserve_logits(cpu.model, ids)

@@ -2,13 +2,16 @@
 
     get_backend("auto" | "torch" | "flashinfer", kv_caches=[...], num_qo_heads=..., scale=...)
 
-"auto" picks FlashInfer only when the cache lives on CUDA in float16/bfloat16 and the package
-is installed; otherwise the torch backend.
+"auto" picks FlashInfer only when the cache lives on CUDA in float16/bfloat16, the package is
+installed and FlashInfer dispatches the shape (head_dim, query heads per KV head); otherwise
+the torch backend, saying why in one log line. "flashinfer" asked for explicitly fails with
+that reason instead.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
@@ -16,7 +19,10 @@ from pdserve.attention.base import AttentionBackend, AttentionMetadata
 
 BACKENDS = ("auto", "torch", "flashinfer")
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "get_backend", "resolve_backend"]
+__all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "flashinfer_unsupported",
+           "get_backend", "resolve_backend"]
+
+log = logging.getLogger(__name__)
 
 
 def resolve_backend(name: str, device: torch.device | str) -> str:
@@ -33,19 +39,35 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     return name
 
 
+def flashinfer_unsupported(kv_cache: torch.Tensor, num_qo_heads: int | None) -> str | None:
+    """Why FlashInfer cannot serve this cache and head count (None: it can). Pure shape
+    checks: nothing of FlashInfer is imported."""
+    from pdserve.attention.flashinfer_backend import unsupported_reason
+
+    if num_qo_heads is None:
+        return "num_qo_heads is required for the flashinfer backend"
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    return unsupported_reason(head_dim, num_qo_heads, num_kv_heads, kv_cache.dtype)
+
+
 def get_backend(name: str, kv_caches: list[torch.Tensor], num_qo_heads: int | None = None,
                 scale: float | None = None) -> AttentionBackend:
     """Build the backend over per-layer caches ``[pages, 2, page_size, kv_heads, head_dim]``."""
     if not kv_caches:
         raise ValueError("kv_caches must hold one tensor per layer")
     resolved = resolve_backend(name, kv_caches[0].device)
-    if name == "auto" and kv_caches[0].dtype not in (torch.float16, torch.bfloat16):
-        resolved = "torch"  # FlashInfer kernels are half precision only
+    if resolved == "flashinfer":
+        reason = flashinfer_unsupported(kv_caches[0], num_qo_heads)
+        if reason is not None and name == "flashinfer":
+            raise ValueError(f"attention_backend 'flashinfer' cannot serve this model: {reason}")
+        if reason is not None:
+            log.info("attention backend: torch, not flashinfer",
+                     extra={"fields": {"reason": reason}})
+            resolved = "torch"
     if resolved == "flashinfer":
         from pdserve.attention.flashinfer_backend import FlashInferBackend
 
-        if num_qo_heads is None:
-            raise ValueError("num_qo_heads is required for the flashinfer backend")
+        assert num_qo_heads is not None
         return FlashInferBackend(kv_caches, num_qo_heads=num_qo_heads, scale=scale)
     from pdserve.attention.torch_backend import TorchBackend
 

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import grpc
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.request import RequestOutput
+from pdserve.engine.request import EngineStats, RequestOutput
 from pdserve.errors import StatusError
 from pdserve.sampling_params import SamplingParams
 
@@ -108,6 +108,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, stats_window: float = 10.0) -> None:
         self.engine = engine
         self.window = ThroughputWindow(stats_window)
+        self.last_stats: EngineStats | None = None  # after the latest step
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
@@ -121,6 +122,7 @@ class AsyncEngine:
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         stats = self.engine.stats()  # the window's origin, so the first step has a rate
+        self.last_stats = stats
         self.window.add(time.monotonic(), stats.num_prefill_tokens, stats.num_decode_tokens)
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -229,7 +231,7 @@ class AsyncEngine:
             self._post(self._fail_all, EngineFailed(f"engine step failed: {exc}"))
             return
         end = time.monotonic()
-        stats = self.engine.stats()
+        stats = self.last_stats = self.engine.stats()  # read by other threads (metrics)
         self.window.add(end, stats.num_prefill_tokens, stats.num_decode_tokens)
         advanced = self._advanced()
         if outputs or advanced:

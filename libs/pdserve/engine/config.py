@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -11,20 +12,50 @@ from pdserve.attention import BACKENDS
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
+def check_device(name: str) -> torch.device:
+    """The torch device ``name`` names, if this machine has it; ValueError (one line, naming
+    the device) otherwise."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device {name!r} is not a valid torch device: {e}") from e
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"device {name!r}: pdserve runs on cpu or cuda[:N]")
+    if torch.version.cuda is None:
+        raise ValueError(f"device {name!r}: this torch ({torch.__version__}) is a CPU-only "
+                         "build; install a CUDA build of torch and the gpu extra")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"device {name!r}: no CUDA device is visible (check the driver and "
+                         "CUDA_VISIBLE_DEVICES)")
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"device {name!r}: only {count} CUDA device(s) are visible "
+                         f"(cuda:0..cuda:{count - 1})")
+    return device
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """block_size: tokens per KV page (= wire block). num_blocks: pages in the cache; when None
-    it is derived from kv_cache_memory_bytes. max_num_batched_tokens: per-step token budget,
-    i.e. the chunk size of chunked prefill. max_model_len: None = the model's context."""
+    it is derived from memory: ``kv_cache_memory_bytes`` on CPU, on CUDA what
+    ``gpu_memory_utilization`` of the device leaves after the weights and the activations of a
+    full step (measured). max_num_batched_tokens: per-step token budget, i.e. the chunk size of
+    chunked prefill. max_model_len: None = the model's context. dtype "auto": the checkpoint's,
+    except float32 checkpoints run in bfloat16 on CUDA. cuda_graphs: capture the decode step
+    for a ladder of batch sizes (CUDA with the FlashInfer backend only)."""
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
     device: str = "cpu"
     dtype: str = "auto"
     seed: int = 0
@@ -39,12 +70,16 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        util = self.gpu_memory_utilization
+        if not isinstance(util, int | float) or not math.isfinite(util) or not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if self.attention_backend not in BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
-        try:
-            torch.device(self.device)
-        except RuntimeError as e:
-            raise ValueError(f"device {self.device!r} is not a valid torch device: {e}") from e
+        check_device(self.device)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

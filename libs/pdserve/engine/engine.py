@@ -13,20 +13,21 @@ next reuses them instead of recomputing.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.attention import get_backend
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.engine.guided import GuideFactory
-from pdserve.engine.kv_cache import KVCacheManager, PagedKVCache
+from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.logits_process import LogitsState, needs_processing
 from pdserve.engine.request import EngineStats, Request, RequestOutput, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplerOutput
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.engine.setup import build_parts
 from pdserve.engine.stop import check_stop
 from pdserve.errors import BadRequest
 from pdserve.hashing import kv_fingerprint
@@ -41,25 +42,21 @@ class Engine:
         args = args or EngineArgs()
         cfg = lm.config
         self.args, self.config, self.tokenizer = args, cfg, lm.tokenizer
-        device = torch.device(args.device)
-        bs = args.block_size
-        per_block = PagedKVCache.bytes_per_block(cfg.num_layers, bs, cfg.num_kv_heads,
-                                                 cfg.head_dim, cfg.dtype)
-        num_blocks = args.num_blocks or max(1, args.kv_cache_memory_bytes // per_block)
-        self.cache = PagedKVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads,
-                                  cfg.head_dim, cfg.dtype, device)
-        self.kv_dtype = str(cfg.dtype).removeprefix("torch.")
-        # What this engine's block hashes cover besides tokens (shared with kvd and router).
-        self.fingerprint = kv_fingerprint(cfg.fingerprint, self.kv_dtype)
-        self.kv = KVCacheManager(num_blocks, bs, self.fingerprint, args.enable_prefix_caching)
-        backend = get_backend(args.attention_backend, self.cache.layers, cfg.num_heads)
-        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
-        self.runner = ModelRunner(lm.model, self.kv, backend, Sampler(args.seed, device), device)
-        self.device = device
         # Full attention equals a sliding window only up to the window's length: cap the
         # context there, so a windowed model (Mistral, Mixtral) never drifts from its reference.
         context = min(cfg.max_position_embeddings, cfg.sliding_window or 1 << 62)
         self.max_model_len = min(args.max_model_len or context, context)
+        parts = build_parts(lm, args, self.max_model_len)
+        device, self.cache, self.kernels = parts.device, parts.cache, parts.kernels
+        self.kv_dtype = str(cfg.dtype).removeprefix("torch.")
+        # What this engine's block hashes cover besides tokens (shared with kvd and router).
+        self.fingerprint = kv_fingerprint(cfg.fingerprint, self.kv_dtype)
+        self.kv = KVCacheManager(parts.num_blocks, args.block_size, self.fingerprint,
+                                 args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
+        self.runner = ModelRunner(lm.model, self.kv, parts.backend,
+                                  Sampler(args.seed, device), device, parts.graphs)
+        self.device = device
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -247,17 +244,24 @@ class Engine:
             raise ValueError(f"page_ids out of range [0, {self.kv.pool.num_blocks}): {bad[:5]}")
         self.cache.export_pages(page_ids, out)
 
-    def import_blocks(self, hashes: list[bytes], data: torch.Tensor) -> int:
-        """Scatter wire-layout blocks into free pages, cached under ``hashes`` (a chain from
-        the first block). Returns how many were newly imported (already cached ones and those
-        beyond the free pages are skipped)."""
+    def import_blocks(self, hashes: list[bytes],
+                      data: torch.Tensor | Sequence[torch.Tensor],
+                      scatter: Callable[[list[int], list[torch.Tensor]], None] | None = None
+                      ) -> int:
+        """Scatter wire-layout blocks (``data[i]`` is block i) into free pages, cached under
+        ``hashes`` (a chain from the first block). Returns how many were newly imported
+        (already cached ones and those beyond the free pages are skipped). ``scatter(pages,
+        blocks)`` replaces the synchronous copy (the kvd staging's pinned, async one)."""
         if not self.args.enable_prefix_caching:
             raise ValueError("import_blocks needs enable_prefix_caching=True")
-        if data.shape[0] != len(hashes):
-            raise ValueError(f"data has {data.shape[0]} blocks but hashes has {len(hashes)}")
+        if len(data) != len(hashes):
+            raise ValueError(f"data has {len(data)} blocks but hashes has {len(hashes)}")
         todo, pages, pinned = self.kv.import_begin(hashes)
-        if todo:
-            self.cache.import_pages(pages, data[torch.tensor(todo)])
+        if todo and scatter is not None:
+            scatter(pages, [data[i] for i in todo])
+        elif todo:
+            block_data = data if isinstance(data, torch.Tensor) else torch.stack(list(data))
+            self.cache.import_pages(pages, block_data[torch.tensor(todo)])
         self.kv.import_end([hashes[i] for i in todo], pages, pinned)
         return len(todo)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.kv_cache import KVCacheManager
 from pdserve.engine.prompt_logprobs import record_prompt_logprobs
 from pdserve.engine.sampler import Sampler, SamplerOutput
@@ -20,15 +21,18 @@ from pdserve.models.base import CausalLM
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv: KVCacheManager, backend: AttentionBackend,
-                 sampler: Sampler, device: torch.device) -> None:
+                 sampler: Sampler, device: torch.device,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv = kv
         self.backend = backend
         self.sampler = sampler
         self.device = device
+        self.graphs = graphs
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Build input ids and positions, and plan attention; returns (input_ids, positions)."""
+    def prepare(self, batch: ScheduledBatch
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Build input ids, positions (on the device) and the attention metadata."""
         bs = self.kv.block_size
         input_ids: list[int] = []
         starts, lens, tables = [], [], []
@@ -54,17 +58,25 @@ class ModelRunner:
             slot_mapping=slots,
             is_decode_only=batch.is_decode_only,
         )
+        return (torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True),
+                positions.to(self.device, non_blocking=True), metadata)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states of the step: a CUDA graph replay when one fits, else eager."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(input_ids, positions, metadata)
+            if hidden is not None:
+                return hidden
         self.backend.prepare(metadata)
-        return (torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                positions.to(self.device))
+        return self.model(input_ids, positions, self.backend)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> SamplerOutput | None:
         """Forward the batch; sample for the sequences that reach their last known token."""
         if batch.is_empty:
             return None
-        input_ids, positions = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.backend)
+        hidden = self.forward(*self.prepare(batch))
         if any(r.params.prompt_logprobs is not None for r in batch.reqs):
             record_prompt_logprobs(self.model, hidden, batch)
         rows, reqs = [], []

@@ -1,7 +1,9 @@
 """Batched sampling: one set of tensor ops for the whole batch.
 
-Per-row parameters become tensors (temperature, top-k, top-p, min-p); filtering works on one
-descending sort of the logits. Sampling uses the exponential race (argmax p / E, E ~ Exp(1)),
+Per-row parameters become tensors (temperature, top-k, top-p, min-p). Top-k and top-p need
+the logits in descending order: one sort of the batch, only when some row sets either; without
+them (temperature and min-p alone) the batch is sampled in vocabulary order, with no sort.
+Sampling uses the exponential race (argmax p / E, E ~ Exp(1)),
 which equals a categorical draw and lets seeded rows use their own generator for E while the
 rest share one, so a seeded request's samples do not depend on its batch neighbours.
 """
@@ -53,7 +55,17 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], device=dev)
         min_p = torch.tensor([p.min_p for p in params], device=dev)
 
-        sorted_logits, order = (logits / temp[:, None]).sort(-1, descending=True)
+        scaled = logits / temp[:, None]
+        race = torch.empty_like(scaled).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                race[i].exponential_(generator=r.generator)
+        if all(p.top_k <= 0 and p.top_p >= 1.0 for p in params):
+            probs = scaled.softmax(-1)
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True)[0],
+                                      0.0)
+            return torch.where(is_greedy, greedy, (probs / race).argmax(-1))
+        sorted_logits, order = scaled.sort(-1, descending=True)
         rank = torch.arange(vocab, device=dev)[None, :]
         drop = rank >= top_k[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -64,11 +76,6 @@ class Sampler:
         drop |= probs < (min_p[:, None] * probs[:, :1])
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = sorted_logits.softmax(-1)
-
-        race = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, r in enumerate(reqs):
-            if r.generator is not None:
-                race[i].exponential_(generator=r.generator)
         picked = order.gather(1, (probs / race).argmax(-1, keepdim=True)).squeeze(1)
         return torch.where(is_greedy, greedy, picked)
 

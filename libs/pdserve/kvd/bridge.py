@@ -3,8 +3,9 @@
     engine pages ──export_blocks──► kvd slots (allocate → write → commit [+ push to dest])
     engine pages ◄─import_blocks─── kvd slots (lookup / await → pins → read → release)
 
-Both copies run on the engine thread (``AsyncEngine.call``), between steps, straight into or out
-of the zero-copy slot views, so the bytes are copied once per direction. Slots are pinned
+Both copies are issued on the engine thread (``AsyncEngine.call``), between steps, straight into
+or out of the zero-copy slot views, so the bytes are copied once per direction; on CUDA they
+are pinned, asynchronous copies on a side stream (``kvd/staging.py``). Slots are pinned
 only for the copy: a commit releases the writer's pins, an import releases the reader's.
 """
 
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-import torch
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine
@@ -25,6 +25,7 @@ from pdserve.errors import StatusError
 from pdserve.hashing import block_checksum
 from pdserve.kvd.client import CommitEntry, KvdClient, Pin
 from pdserve.kvd.layout import BlockLayout
+from pdserve.kvd.staging import KvStaging, Ticket
 from pdserve.proto.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class KvBridge:
         self.client = client
         self.address = address
         self.node_id = ""
+        self.staging: KvStaging | None = None
 
     @_kvd_status
     async def register(self) -> None:
@@ -73,6 +75,7 @@ class KvBridge:
                              model_fingerprint=self.aengine.engine.fingerprint)
         info = await self.client.register(layout)
         self.node_id = info.node_id
+        self.staging = KvStaging(self.aengine.engine, self.client)
 
     @property
     def endpoint(self) -> common_pb2.KvdEndpoint:
@@ -93,17 +96,17 @@ class KvBridge:
         released: set[int] = set()
         try:
             views = [self.client.slot_view(p.slot) for p in pins]
+            staging = self._staging()
 
-            def copy_out(engine: Engine) -> list[int]:
-                copied = []
-                for i, ((h, page), view) in enumerate(zip(blocks, views, strict=True)):
-                    current = engine.page_of(h, page)
-                    if current is not None:
-                        engine.export_blocks([current], view.unsqueeze(0))
-                        copied.append(i)
-                return copied
+            def copy_out(engine: Engine) -> tuple[list[int], Ticket]:
+                current = [engine.page_of(h, page) for h, page in blocks]
+                copied = [i for i, page in enumerate(current) if page is not None]
+                pages = [page for page in current if page is not None]
+                ticket = staging.export(pages, [views[i] for i in copied])
+                return copied, ticket
 
-            copied = await self.aengine.call(copy_out)
+            copied, ticket = await self.aengine.call(copy_out)
+            await ticket.wait_async()  # the slots hold the bytes (pinned, async on CUDA)
             entries = [CommitEntry(pins[i], blocks[i][0],
                                    block_checksum(self.client.slot_memory(pins[i].slot)))
                        for i in copied]
@@ -159,13 +162,20 @@ class KvBridge:
                       with_checksums: bool = False) -> list[int]:
         """Copy pinned slots into the engine; returns their checksums when asked."""
         try:
-            data = torch.stack([self.client.slot_view(p.slot) for p in pins])
+            views = [self.client.slot_view(p.slot) for p in pins]
             sums = ([block_checksum(self.client.slot_memory(p.slot)) for p in pins]
                     if with_checksums else [])
-            await self.aengine.call(lambda e: e.import_blocks(hashes, data))
+            staging = self._staging()
+            _, ticket = await self.aengine.call(lambda _: staging.import_(hashes, views))
+            await ticket.wait_async()  # the slots are read before their pins go
             return sums
         finally:
             await self._release_quietly([p.pin_id for p in pins])
+
+    def _staging(self) -> KvStaging:
+        if self.staging is None:
+            raise RuntimeError("kvd bridge: register() first")
+        return self.staging
 
     async def _release_quietly(self, pin_ids: list[int]) -> None:
         try:

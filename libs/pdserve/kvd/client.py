@@ -38,6 +38,7 @@ from pdserve.channel import insecure_channel
 from pdserve.hashing import block_checksum
 from pdserve.kvd import layout as L
 from pdserve.proto.v1 import common_pb2, kvd_pb2, kvd_pb2_grpc
+from pdserve.telemetry import outbound_metadata
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -94,13 +95,18 @@ class KvdClient:
         self.layout: L.BlockLayout | None = None
         self.info: PoolInfo | None = None
 
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        """The credential, and the current span's trace context (the kvd's spans are its
+        children)."""
+        return outbound_metadata(self._md)
+
     async def register(self, layout: L.BlockLayout) -> PoolInfo:
         """Announce the block layout and map the pool segment."""
         req = kvd_pb2.RegisterRequest(client_id=self.client_id, layout=kvd_pb2.BlockLayout(
             num_layers=layout.num_layers, block_size=layout.block_size,
             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
             model_fingerprint=layout.model_fingerprint))
-        r = await self._stub.Register(req, timeout=self._timeout, metadata=self._md)
+        r = await self._stub.Register(req, timeout=self._timeout, metadata=self._metadata())
         shm = shared_memory.SharedMemory(r.shm_name)
         # Python < 3.13 tracks attached segments too and would unlink kvd's pool at our exit.
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
@@ -133,6 +139,13 @@ class KvdClient:
         flat = torch.frombuffer(shm.buf, dtype=dtype, count=n, offset=offset)
         return flat.view(self.layout.shape)
 
+    @property
+    def mapped(self) -> memoryview:
+        """The whole mapped pool segment (an engine on CUDA registers it as pinned memory)."""
+        if self._shm is None or self._shm.buf is None:
+            raise ValueError("mapped: register() first; the pool is not mapped")
+        return self._shm.buf
+
     def slot_memory(self, slot: int) -> memoryview:
         """The slot's raw bytes (for checksums and byte-level copies)."""
         shm, info, offset = self._mapped(slot)
@@ -142,7 +155,7 @@ class KvdClient:
     async def allocate(self, n: int, lease_ms: int = 0) -> list[Pin]:
         r = await self._stub.Allocate(
             kvd_pb2.AllocateRequest(num_slots=n, lease_ms=lease_ms, client_id=self.client_id),
-            timeout=self._timeout, metadata=self._md)
+            timeout=self._timeout, metadata=self._metadata())
         return _pins(r.pins)
 
     async def commit(self, entries: Sequence[CommitEntry],
@@ -158,7 +171,7 @@ class KvdClient:
                                           pin_id=e.pin.pin_id))
         req = kvd_pb2.CommitRequest(entries=pb, destination=destination, release=release,
                                     client_id=self.client_id)
-        r = await self._stub.Commit(req, timeout=self._timeout, metadata=self._md)
+        r = await self._stub.Commit(req, timeout=self._timeout, metadata=self._metadata())
         return CommitResult(r.num_duplicates, r.num_pushed, r.push_started, tuple(r.slots))
 
     async def lookup(self, hashes: Sequence[bytes]) -> int:
@@ -171,7 +184,7 @@ class KvdClient:
         ``await_blocks`` without a source pulls the difference from that node."""
         r = await self._stub.Lookup(kvd_pb2.LookupRequest(hashes=hashes,
                                                           include_index=include_index),
-                                    timeout=self._timeout, metadata=self._md)
+                                    timeout=self._timeout, metadata=self._metadata())
         return int(r.num_present), int(r.num_available or r.num_present)
 
     async def await_blocks(self, block_refs: Sequence[common_pb2.BlockRef],
@@ -181,18 +194,18 @@ class KvdClient:
         ``timeout``)."""
         req = kvd_pb2.AwaitRequest(blocks=block_refs, source=source, lease_ms=lease_ms,
                                    client_id=self.client_id)
-        r = await self._stub.Await(req, timeout=timeout, metadata=self._md)
+        r = await self._stub.Await(req, timeout=timeout, metadata=self._metadata())
         return _pins(r.pins)
 
     async def release(self, pin_ids: Sequence[int]) -> int:
         r = await self._stub.Release(kvd_pb2.ReleaseRequest(pin_ids=pin_ids,
                                                             client_id=self.client_id),
-                                     timeout=self._timeout, metadata=self._md)
+                                     timeout=self._timeout, metadata=self._metadata())
         return int(r.num_released)
 
     async def stats(self) -> kvd_pb2.KvdStats:
         return await self._stub.Stats(kvd_pb2.KvdStatsRequest(), timeout=self._timeout,
-                                      metadata=self._md)
+                                      metadata=self._metadata())
 
     async def close(self) -> None:
         """Close the channel and unmap the segment (kept mapped while tensor views live)."""

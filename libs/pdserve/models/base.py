@@ -29,6 +29,11 @@ class CausalLM(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] -> float32 logits [N, vocab_size]."""
 
+    def select_kernels(self, max_positions: int) -> str:
+        """Pick the elementwise kernels for the model's device and dtype (positions up to
+        ``max_positions``); returns their name. The default: plain torch."""
+        return "torch"
+
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters; raise naming any missing or

@@ -14,12 +14,12 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
+from pdserve.models import builtin_vocab as btok
 
-from pdserve.models import builtin_tokenizer as btok
+if TYPE_CHECKING:
+    import torch
 
 _INIT_STD = 0.02
 _COMMON: dict[str, Any] = {
@@ -104,6 +104,8 @@ def tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    import torch  # here: the configs above are read by processes without torch (the router)
+
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     digest = hashlib.sha256(f"pdserve-builtin:{seed}:{name}".encode()).digest()
@@ -129,6 +131,8 @@ def save_builtin(name: str, directory: str | Path, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(name)
     (path / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    from safetensors.torch import save_file
+
     save_file(dict(iter_weights(name, seed)), str(path / "model.safetensors"),
               metadata={"format": "pt"})
     (path / "tokenizer.json").write_text(btok.tokenizer_json(), encoding="utf-8")

@@ -110,12 +110,16 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def resolve_dtype(dtype: str, hf_config: Mapping[str, Any]) -> torch.dtype:
-    """``auto`` takes the checkpoint's dtype (``dtype``/``torch_dtype``), else float32."""
+def resolve_dtype(dtype: str, hf_config: Mapping[str, Any],
+                  device: torch.device | str = "cpu") -> torch.dtype:
+    """``auto`` takes the checkpoint's dtype (``dtype``/``torch_dtype``), else float32; on CUDA
+    a float32 checkpoint runs in bfloat16 (half the memory and traffic, tensor cores)."""
     if dtype == "auto":
         name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
         if name not in DTYPES:
             raise ValueError(f"config.json dtype {name!r} is not one of {list(DTYPES)}")
+        if torch.device(device).type == "cuda" and DTYPES[name] == torch.float32:
+            return torch.bfloat16
         return DTYPES[name]
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {dtype!r}")

@@ -4,6 +4,7 @@ tied embeddings and the MLP kind, all read from ModelConfig."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,8 @@ from torch import nn
 from pdserve.attention.base import AttentionBackend
 from pdserve.models.base import CausalLM
 from pdserve.models.config import ModelConfig
-from pdserve.models.layers import Attention, GatedMLP, RMSNorm, empty_param
+from pdserve.models.kernels import Kernels, kernels_for
+from pdserve.models.layers import Attention, GatedMLP, RMSNorm, UsesKernels, empty_param
 from pdserve.models.moe import SparseMoe
 from pdserve.models.rope import Rotary
 from pdserve.models.weights import WeightRouter
@@ -31,14 +33,20 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Any,
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (its MLP's), not yet added to ``residual``, the
+        stream; returns this layer's (output, stream) the same way."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, rope, attn)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
-class DecoderLM(CausalLM):
+class DecoderLM(CausalLM, UsesKernels):
     """Parameter names mirror the Hugging Face ones minus the ``model.`` prefix, except for
     fused tensors (``qkv_proj``, ``gate_up_proj``, expert ``w13``/``w2``); see weights.py."""
 
@@ -57,10 +65,23 @@ class DecoderLM(CausalLM):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary(positions, h.dtype)
+        rope = self.kernels.rope_inputs(self.rotary, positions, h.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            h = layer(h, cos, sin, attn)
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, attn)
+        return self.norm(h) if residual is None else self.norm.add_forward(h, residual)[0]
+
+    def select_kernels(self, max_positions: int) -> str:
+        weight = self.embed_tokens
+        kernels = kernels_for(self.rotary, max_positions, weight.device, weight.dtype)
+        self.use_kernels(kernels)
+        return kernels.name
+
+    def use_kernels(self, kernels: Kernels) -> None:
+        """Run every norm, RoPE and SiLU-and-mul of the model on ``kernels``."""
+        for module in self.modules():
+            if isinstance(module, UsesKernels):
+                module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head

@@ -1,10 +1,14 @@
 """Building blocks shared by every architecture: flat ``[T, ...]`` tensors, no batch dim.
 
 Parameters are allocated with ``torch.empty`` (no random init): the loader or the built-in
-generator fills every one of them, and checks that none was left out.
+generator fills every one of them, and checks that none was left out. Modules that run
+elementwise kernels (norms, RoPE, SiLU-and-mul) are ``UsesKernels``: the loader hands them
+FlashInfer's fused ones on CUDA (``models/kernels.py``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +16,7 @@ from torch import nn
 
 from pdserve.attention.base import AttentionBackend
 from pdserve.models.config import ModelConfig
-from pdserve.models.rope import apply_rope
+from pdserve.models.kernels import TORCH_KERNELS, Kernels
 
 
 def empty_param(*shape: int) -> nn.Parameter:
@@ -31,21 +35,28 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class RMSNorm(nn.Module):
+class UsesKernels:
+    """A module whose elementwise work goes through ``self.kernels`` (torch by default)."""
+
+    kernels: Kernels = TORCH_KERNELS
+
+
+class RMSNorm(nn.Module, UsesKernels):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = empty_param(size)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 then cast back before the weight, as the reference does, so
-        # bfloat16 runs round the same way.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add, fused on CUDA."""
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, UsesKernels):
     """Fused qkv projection -> RoPE -> backend (which owns the KV cache) -> output projection."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
@@ -57,20 +68,19 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, sum(self.sizes), config.qkv_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, config.o_bias)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Any, attn: AttentionBackend) -> torch.Tensor:
+        """``rope``: what ``kernels.rope_inputs`` made of this step's positions."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = self.kernels.rope(q.view(num_tokens, self.num_heads, self.head_dim),
+                                 k.view(num_tokens, self.num_kv_heads, self.head_dim), rope)
         # Backends may scatter v into a cache or hand it to a kernel: give them dense memory.
         v = v.contiguous().view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attn.forward(self.layer_id, q, k, v)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(nn.Module, UsesKernels):
     """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
@@ -79,5 +89,4 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -14,14 +13,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pdserve.models import builtin
-from pdserve.models import builtin_tokenizer as btok
 from pdserve.models.base import CausalLM
 from pdserve.models.config import ModelConfig, parse_hf_config, resolve_dtype
 from pdserve.models.decoder import DecoderLM
+from pdserve.models.files import builtin_tokenizer, fingerprint, weight_files
 from pdserve.tokenizer import Tokenizer
 
 _PROGRESS_MIN_BYTES = 100 * 2**20
-_INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass
@@ -83,47 +81,11 @@ def _load_builtin(name: str, seed: int, dtype: str, device: torch.device) -> Loa
     cfg = builtin.hf_config(name)
     tokenizer = builtin_tokenizer()
     config = parse_hf_config(
-        cfg, dtype=resolve_dtype(dtype, cfg), eos_token_ids=tokenizer.eos_token_ids,
+        cfg, dtype=resolve_dtype(dtype, cfg, device), eos_token_ids=tokenizer.eos_token_ids,
         fingerprint=builtin.fingerprint(name, seed),
     )
     model = _build(config, device, builtin.iter_weights(name, seed))
     return LoadedModel(model=model, config=config, tokenizer=tokenizer)
-
-
-def builtin_tokenizer() -> Tokenizer:
-    """The built-in models' tokenizer (same as the one ``save_builtin`` writes)."""
-    import tokenizers
-
-    cfg = btok.tokenizer_config()
-    return Tokenizer(
-        tokenizers.Tokenizer.from_str(btok.tokenizer_json()), bos_token=btok.BOS,
-        eos_token=btok.EOS, eos_token_ids=(1,), chat_template=str(cfg["chat_template"]),
-    )
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The checkpoint's safetensors files (from the shard index when there is one)."""
-    index = path / _INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        for file in files:
-            if not file.is_file():
-                raise FileNotFoundError(f"shard {file.name} listed in {_INDEX_FILE} is missing")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights found in {path}")
-    return files
-
-
-def fingerprint(config_text: str, files: list[Path]) -> str:
-    """sha256 of config.json's text and the sorted weight file names and sizes (no full read:
-    a re-exported checkpoint with other bytes but equal sizes is assumed to be the same)."""
-    h = hashlib.sha256(config_text.encode())
-    for file in sorted(files, key=lambda f: f.name):
-        h.update(f"\n{file.name}:{file.stat().st_size}".encode())
-    return h.hexdigest()
 
 
 def _iter_files(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -152,7 +114,7 @@ def _load_dir(path: Path, dtype: str, device: torch.device) -> LoadedModel:
         raw = cfg["eos_token_id"]
         eos = (raw,) if isinstance(raw, int) else tuple(raw)
     config = parse_hf_config(
-        cfg, dtype=resolve_dtype(dtype, cfg), eos_token_ids=tuple(eos),
+        cfg, dtype=resolve_dtype(dtype, cfg, device), eos_token_ids=tuple(eos),
         fingerprint=fingerprint(config_text, files),
     )
     model = _build(config, device, _iter_files(files))

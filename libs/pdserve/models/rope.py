@@ -171,6 +171,13 @@ class Rotary(nn.Module):
             cos, sin = cos * self.scaling, sin * self.scaling
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
+    def cos_sin_cache(self, max_positions: int, device: torch.device) -> torch.Tensor:
+        """``[max_positions, head_dim]`` float32, cos then sin of every position (the table
+        fused RoPE kernels index by position), with the same frequencies and scaling."""
+        positions = torch.arange(max_positions, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * self.inv_freq.to(device)[None, :]
+        return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * self.scaling
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D]; cos/sin: [T, 1, D/2]."""

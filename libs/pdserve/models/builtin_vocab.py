@@ -15,6 +15,8 @@ from collections import Counter
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from pdserve.tokenizer import bytes_to_unicode
+
 SPECIAL_TOKENS = ("<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
 BOS, EOS = SPECIAL_TOKENS[0], SPECIAL_TOKENS[1]
 VOCAB_SIZE = 512
@@ -55,20 +57,6 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 12 16 24 32 64 100 128 256 512 1000 2024 3.14 -1
 """
 
 
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's map from byte value to a printable character (the ByteLevel alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + extra))
-            extra += 1
-    return chars
-
-
 def _learn_merges(text: str, num_merges: int) -> list[tuple[str, str]]:
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     counts = Counter(piece for piece, _ in pre.pre_tokenize_str(text))
@@ -98,7 +86,7 @@ def _learn_merges(text: str, num_merges: int) -> list[tuple[str, str]]:
 def tokenizer_json() -> str:
     """The serialized tokenizer.json (cached: learning the merges takes a moment)."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in _bytes_to_unicode():
+    for ch in bytes_to_unicode():
         vocab[ch] = len(vocab)
     merges = _learn_merges(_CORPUS, VOCAB_SIZE - len(vocab))
     for a, b in merges:
