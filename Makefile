@@ -13,16 +13,18 @@ BUF_STAMP := node_modules/.installed
 # `make proto-baseline`. Any buf input can stand in: BUF_AGAINST='.git#tag=v1.0.0,subdir=protos'.
 BUF_AGAINST ?= protos/v1-baseline.json
 
-.PHONY: setup protos proto-baseline run test lint bench clean gpu-bundle device-check
+.PHONY: setup protos proto-baseline run test lint bench clean gpu-bundle device-check images
 
 setup: .setup-stamp $(STUBS) $(BUF_STAMP)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Reinstall only when the project's dependency list changes.
-.setup-stamp: pyproject.toml | $(PY)
+# Reinstall only when the project's dependency list changes. torch first, the build for this
+# machine (scripts/torch_spec.sh: the CPU build unless an NVIDIA driver is present).
+.setup-stamp: pyproject.toml scripts/torch_spec.sh | $(PY)
 	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet $$(scripts/torch_spec.sh)
 	$(PIP) install --quiet -e '.[test,dev,bench]'
 	touch $@
 
@@ -60,6 +62,11 @@ gpu-bundle: setup
 
 device-check:
 	scripts/device_check.sh
+
+# Every image (deploy/Dockerfile), tagged pdserve/<target>:$(TAG): needs docker with buildx.
+TAG ?= 0.1.0
+images:
+	TAG=$(TAG) docker buildx bake -f deploy/docker-bake.hcl
 
 clean:
 	rm -rf $(VENV) .setup-stamp .gpu-bundle device-check-out libs/pdserve/proto/v1 build *.egg-info \

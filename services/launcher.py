@@ -14,131 +14,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
+import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve import env
+from pdserve.procs import Proc, free_port, start_redis
 from pdserve.roles import Role
+from pdserve.stack_secrets import StackSecrets
 from pdserve.tool_calls import PARSERS
 from services.devices import engine_flags, parse_cpus, parse_devices, place
 from services.router.config import RouterConfig
 from services.router.policy import POLICIES
-from services.stack_secrets import StackSecrets
 
 ROOT = Path(__file__).resolve().parents[1]
-READY = re.compile(r"pdserve (\w+) listening on (\S+):(\d+)(?: \(metrics on (\S+)\))?")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def start_redis(exe: str, host: str, port: int, password: str = "") -> subprocess.Popen[bytes]:
-    """A private ``redis-server`` on ``host:port`` keeping nothing on disk, once it accepts
-    connections (RuntimeError if it does not within 10 s). Its configuration, the password
-    included, goes in on stdin: a command line is visible to every user."""
-    config = f'port {port}\nbind {host}\nsave ""\nappendonly no\n'
-    if password:
-        config += f"requirepass {password}\n"
-    proc = subprocess.Popen([exe, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    assert proc.stdin is not None
-    proc.stdin.write(config.encode())
-    proc.stdin.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, port), timeout=0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"private redis-server did not start on {host}:{port}")
-
-
-@dataclass
-class Proc:
-    """One supervised child: its command, where it listens, and how often it was restarted."""
-
-    name: str
-    args: list[str]
-    port: int
-    cpus: set[int] | None = None
-    env: dict[str, str] = field(default_factory=dict)  # its own: only its role's credentials
-    metrics: str = ""  # host:port of its /metrics, read from its ready line
-    log: Path | None = None  # its stderr, kept (appended across restarts)
-    verbose: bool = False  # also stream it, prefixed with its name
-    popen: subprocess.Popen[str] | None = None
-    restarts: int = 0
-    log_tail: list[str] = field(default_factory=list)
-    _stderr_reader: threading.Thread | None = field(default=None, repr=False)
-
-    def start(self, env: dict[str, str]) -> None:
-        cpus = self.cpus
-
-        def pin() -> None:
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
-        self.popen = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, preexec_fn=pin)
-        self._stderr_reader = threading.Thread(target=self._drain_stderr, daemon=True)
-        self._stderr_reader.start()
-
-    def _drain_stderr(self) -> None:
-        assert self.popen is not None and self.popen.stderr is not None
-        with (self.log.open("a", encoding="utf-8") if self.log else open(os.devnull, "w")) as out:
-            for line in self.popen.stderr:
-                self.log_tail = [*self.log_tail[-40:], line.rstrip()]
-                out.write(line)
-                out.flush()
-                if self.verbose:
-                    sys.stderr.write(f"[{self.name}] {line}")
-
-    def wait_ready(self, timeout: float) -> None:
-        assert self.popen is not None and self.popen.stdout is not None
-        deadline = time.monotonic() + timeout
-        result: list[str] = []
-        reader = threading.Thread(target=lambda: result.append(self.popen.stdout.readline()),  # type: ignore[union-attr]
-                                  daemon=True)
-        reader.start()
-        reader.join(max(0.0, deadline - time.monotonic()))
-        ready = READY.search(result[0]) if result else None
-        if ready is None:
-            if self.popen.poll() is not None and self._stderr_reader is not None:
-                self._stderr_reader.join(timeout=2)  # died: let its last words reach the tail
-            tail = "\n  ".join(self.log_tail[-15:])
-            raise RuntimeError(f"{self.name} did not become ready (exit code "
-                               f"{self.popen.poll()}); its last log lines:\n  {tail}")
-        self.metrics = ready.group(4) or ""
-        threading.Thread(target=self._drain_stdout, daemon=True).start()
-
-    def _drain_stdout(self) -> None:
-        assert self.popen is not None and self.popen.stdout is not None
-        for _ in self.popen.stdout:
-            pass
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
 
 
 def _module(name: str) -> list[str]:
@@ -236,7 +131,7 @@ class Stack:
             args += ["--metrics-port", "0"]
         proc = Proc(name, args, port, cpus, self.secrets.env_for(module, self.env),
                     log=self.log_dir / f"{name}.log",
-                    verbose=self.ns.verbose or env.up_verbose())
+                    verbose=self.ns.verbose or env.up_verbose(), cwd=ROOT)
         self.procs.append(proc)
         return proc
 
@@ -362,14 +257,15 @@ def _banner(stack: Stack) -> None:
     if ns.prometheus_config:
         write_prometheus_config(ns.prometheus_config, stack)
         print(f"pdserve prometheus config: {ns.prometheus_config}")
+    python = shlex.quote(sys.executable)  # the one with pdserve (and openai) installed
     print(f"""
 Try it {auth}:
   curl {base}/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='none'); \\
+  {python} -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='none'); \\
 print(c.completions.create(model='{model}', prompt='Hello', max_tokens=16).choices[0].text)"
   {env.CLIENT_SECRET_VAR}_FILE={stack.secrets.directory / env.CLIENT_SECRET_VAR} \\
-  python -c "from pdserve.client import Client; \\
+  {python} -c "from pdserve.client import Client; \\
 print(Client('{stack.router_address}').generate('Hello', max_tokens=16).collect().text)"
 """)
     print(f"pdserve ready: {base}", flush=True)

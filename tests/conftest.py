@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher import free_port, start_redis
+from pdserve.procs import free_port, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `services` is importable from the repo root

@@ -2,7 +2,7 @@
 
     pdserve up         the local stack (Redis, kvd, engines, router, gateway)
     pdserve generate   offline generation with the built-in or a local model
-    pdserve bench X    benchmarks: engine, transfer, router, serve, compare, detok, all
+    pdserve bench X    benchmarks: engine, transfer, router, serve, compare, detok, cluster, all
     pdserve <service>  one service: gateway, router, prefill, decode, kvd
     pdserve env        every PDSERVE_* variable and what it accepts
 """
@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "pdserve_bench.serve:main",
     "compare": "pdserve_bench.compare:main",
     "detok": "pdserve_bench.detok:main",
+    "cluster": "pdserve_bench.cluster_bench:main",
 }
 # Whose settings ``pdserve env`` lists.
 CONFIGS = ("services.gateway.config:GatewayConfig", "services.router.config:RouterConfig",
@@ -68,9 +69,10 @@ def _bench(argv: list[str]) -> int:
         return 2
     if name == "all":
         # `make bench`: every benchmark, each printing its table and JSON.
-        for bench in ("engine", "transfer", "router", "compare"):
+        args = {"compare": rest, "cluster": ["--json", "--skip-unavailable"]}
+        for bench in ("engine", "transfer", "router", "compare", "cluster"):
             print(f"== pdserve bench {bench}", flush=True)
-            code = _load(BENCHMARKS[bench])(rest if bench == "compare" else ["--json"])
+            code = _load(BENCHMARKS[bench])(args.get(bench, ["--json"]))
             if code != 0:
                 return code
         return 0

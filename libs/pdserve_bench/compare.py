@@ -89,7 +89,7 @@ def _stop_pyspy(proc: subprocess.Popen[bytes] | None) -> None:
         proc.wait()
 
 
-async def _router_counters(address: str, credentials: tuple[tuple[str, str], ...] = ()
+async def router_counters(address: str, credentials: tuple[tuple[str, str], ...] = ()
                            ) -> dict[str, float]:
     """Cumulative prefix-hit counters from ``Router.ClusterState``; {} when unavailable."""
     import grpc
@@ -107,7 +107,7 @@ async def _router_counters(address: str, credentials: tuple[tuple[str, str], ...
             "prompt_blocks": float(state.num_prompt_blocks)}
 
 
-def _with_hit_rate(run: RunResult, before: dict[str, float], after: dict[str, float]
+def with_hit_rate(run: RunResult, before: dict[str, float], after: dict[str, float]
                    ) -> RunResult:
     if not before or not after:
         return run
@@ -127,10 +127,10 @@ async def _drive(target: Target, cfg: BenchConfig, cmp: Comparison, router: str 
     runs: list[RunResult] = []
     for i, rate in enumerate(load.rates):
         # One rate at a time, to read the router's counters around it; warm up once.
-        before = await _router_counters(router, creds) if router else {}
+        before = await router_counters(router, creds) if router else {}
         (run,) = await run_load_async(target, load, maker, rate_indices=[i], warmup=i == 0)
-        after = await _router_counters(router, creds) if router else {}
-        runs.append(_with_hit_rate(run, before, after))
+        after = await router_counters(router, creds) if router else {}
+        runs.append(with_hit_rate(run, before, after))
         print(f"   {cmp.name} @ {rate:g} req/s: "
               f"{run.summary.num_ok}/{run.summary.num_requests} ok", file=sys.stderr, flush=True)
     return runs

@@ -37,7 +37,8 @@ class KvdConfig(GrpcServiceConfig):
         "^cma", STR, "UCX_TLS transports; default: every one but CMA (shared memory and TCP "
         "on a host, RDMA between hosts); empty = UCX's own default")
     ucx_error_handling: bool = setting(
-        False, BOOL, "UCX peer-failure handling on endpoints (disables shared memory on a host)")
+        False, BOOL, "UCX peer-failure handling on endpoints: on between hosts (a lost peer's "
+        "endpoint is then closed at once, not flushed); off keeps shared memory on one host")
     lease_ms: int = setting(30000, int_kind(100), "default lease of a pin, milliseconds")
     max_lease_ms: int = setting(60000, int_kind(100),
                                 "longest lease a client may ask for, milliseconds")

@@ -49,7 +49,7 @@ class Kvd:
         self.peers = Peers(auth.secrets().get(auth.DATA.name, ""))
         self._registered: dict[str, bytes] = {}  # the index's kvds: address -> UCX address
         self.sync = IndexSync(index, self._record, self._present, config.heartbeat,
-                              config.index_ttl)
+                              config.index_ttl, self._learn_nodes)
         self.layout: L.BlockLayout | None = None
         self.shipper: Shipper | None = None
         self._shm: shared_memory.SharedMemory | None = None
@@ -317,6 +317,12 @@ class Kvd:
             raise not_found
         best = records[max(holders)[1]]
         return common_pb2.KvdEndpoint(node_id=best.node_id, address=best.address)
+
+    def _learn_nodes(self, nodes: list[NodeRecord]) -> None:
+        """Add the registry as read at a heartbeat. A node whose record lapsed (partitioned,
+        or its link just back and not re-registered yet) stays known: refusing it would fail
+        requests routed to it; a re-registered node's new UCX address replaces its old one."""
+        self._registered.update({n.address: n.ucx_address for n in nodes})
 
     async def _check_peer(self, peer: common_pb2.KvdEndpoint, field: str,
                           ucx_address: bytes = b"") -> None:

@@ -5,6 +5,9 @@ write marks the index unavailable and the node dirty; the queue is dropped (it c
 trusted to be complete). Once a write succeeds again, the node catches up: its entries are
 purged and its whole present set re-added. The registry record is refreshed every heartbeat
 (TTL 3 heartbeats) and the present set re-added every ttl/3, so live entries never expire.
+Every heartbeat also reads the registry back (``on_nodes``): the kvd's view of which peers are
+registered stays current while Redis answers and is kept as it was while it does not (Redis
+out of this node's reach must not turn known peers into refused ones).
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ log = logging.getLogger(__name__)
 
 class IndexSync:
     def __init__(self, index: PrefixIndex | None, record: Callable[[], NodeRecord],
-                 present: Callable[[], list[bytes]], heartbeat_s: float, ttl_s: float) -> None:
+                 present: Callable[[], list[bytes]], heartbeat_s: float, ttl_s: float,
+                 on_nodes: Callable[[list[NodeRecord]], None] = lambda nodes: None) -> None:
         self._index = index
         self._record = record
         self._present = present
+        self._on_nodes = on_nodes
         self._heartbeat_s = heartbeat_s
         self._refresh_s = max(heartbeat_s, ttl_s / 3)
         self._ops: dict[bytes, bool] = {}  # hash -> present (the last queued change wins)
@@ -80,6 +85,7 @@ class IndexSync:
         record = self._record()
         if beat:
             await self._index.register_node(record, ttl=3 * self._heartbeat_s)
+            self._on_nodes(await self._index.nodes())
         if self._dirty:
             await self._index.purge_node(record.node_id, record.epoch)
             self._ops.clear()

@@ -108,6 +108,13 @@ class KvdCollector:
                               labels=["node"])
         g.add_metric([node], float(stats.index_available))
         yield g
+        # UCX's own report (ucp_ep_query) of the lanes to each peer, by transport/device
+        g = GaugeMetricFamily("pdserve_kvd_ucx_lanes", "UCX endpoint lanes to a peer kvd",
+                              labels=["node", "peer", "transport"])
+        for peer, lanes in sorted(self.kvd.transport.lanes.items()):
+            for lane in sorted(set(lanes)):
+                g.add_metric([node, peer, lane], float(lanes.count(lane)))
+        yield g
 
 
 def servicers(servicer: KvdServicer) -> list[tuple[Any, Any, str]]:

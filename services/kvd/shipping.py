@@ -19,7 +19,9 @@ by B: reserve slots, Transfer(PULL) to the source with B's slots, A pins and sen
 
 Watchdogs: a receive whose peer's gRPC channel goes down, or that makes no progress for
 ``transfer_timeout``, aborts the UCX endpoint (cancelling its posted receives), frees the slots
-and fails the futures (UNAVAILABLE / DEADLINE_EXCEEDED); a send likewise releases its pins.
+and fails the futures with ABORTED (an Await waiting on them fails at once: its caller must
+get the blocks elsewhere, e.g. compute them again); a send likewise releases its pins. A pull
+whose source cannot be reached fails the same way.
 A message's plan is the maximal runs contiguous in both pools (``transfer.plan_messages``).
 """
 
@@ -246,7 +248,7 @@ class Shipper:
                 req, timeout=RPC_TIMEOUT_S, metadata=outbound_metadata(self._peers.metadata))
         except grpc.RpcError as exc:
             self._fail(tr, range(len(tr.hashes)), StatusError(
-                grpc.StatusCode.UNAVAILABLE, f"source {tr.peer.node_id or tr.peer.address} "
+                grpc.StatusCode.ABORTED, f"source {tr.peer.node_id or tr.peer.address} "
                 f"unreachable: {exc.code().name}"))  # type: ignore[attr-defined]
             return
         missing = [i for i, ok in enumerate(resp.accepted) if not ok]
@@ -261,7 +263,7 @@ class Shipper:
         try:
             ep = await self._transport.endpoint(tr.peer.node_id, resp.ucx_address)
         except TransportError as exc:
-            self._fail(got, range(len(keep)), StatusError(grpc.StatusCode.UNAVAILABLE, str(exc)))
+            self._fail(got, range(len(keep)), StatusError(grpc.StatusCode.ABORTED, str(exc)))
             return
         await self._receive(got, ep, self._transport.plan(list(resp.slots), got.slots))
 
@@ -289,11 +291,12 @@ class Shipper:
                 if done:
                     last = loop.time()
                 elif self._peers.is_down(tr.peer.address):
-                    raise StatusError(grpc.StatusCode.UNAVAILABLE,
-                                      f"peer {tr.peer.node_id} lost mid-transfer")
+                    raise StatusError(grpc.StatusCode.ABORTED, f"transfer from "
+                                      f"{tr.peer.node_id} aborted: peer lost mid-transfer")
                 elif loop.time() - last > self._timeout:
-                    raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                      f"peer {tr.peer.node_id} stalled for {self._timeout}s")
+                    raise StatusError(grpc.StatusCode.ABORTED, f"transfer from "
+                                      f"{tr.peer.node_id} aborted: no progress for "
+                                      f"{self._timeout:g}s")
         except (StatusError, TransportError) as exc:
             await self._abort(tr, tasks, messages, firsts, done_msgs, exc)
             return
@@ -342,7 +345,7 @@ class Shipper:
         self._transport.drop(tr.peer.node_id)  # cancels the receives still posted
         await asyncio.wait(tasks, timeout=1.0)
         err = exc if isinstance(exc, StatusError) else StatusError(
-            grpc.StatusCode.UNAVAILABLE, f"transfer from {tr.peer.node_id} failed: {exc}")
+            grpc.StatusCode.ABORTED, f"transfer from {tr.peer.node_id} failed: {exc}")
         for i, task in enumerate(tasks):
             if i in done_msgs:
                 continue

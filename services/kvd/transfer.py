@@ -15,15 +15,24 @@ the default ``--ucx-tls ^cma`` because a CMA read from a peer that died aborts t
 posix/sysv shared memory does not. A lost peer is detected by the caller's watchdog instead
 (peer gRPC channel down, or no progress before the transfer deadline), which aborts the
 endpoint: that cancels every receive posted on it, so no late write can land in a reused slot.
+Between hosts turn error handling on (``--ucx-error-handling``; it costs nothing there, shared
+memory being out of reach anyway): without it the abort is a flush that waits for the peer, so
+a peer behind a partition stalls this kvd's loop until the link returns (found by the
+namespace cluster, ``pdserve_bench.cluster``); with it the endpoint is force-closed at once.
 
 Progress: one poller task spins the worker while transfers are active and resolves every
 posted request's future (``_reap``); between transfers the worker is armed and its epoll fd
 wakes the loop (ucxx's own blocking mode never re-arms: it spun at 100% CPU forever).
+
+Which transports carry the bytes is UCX's choice; ``endpoint_lanes`` asks UCX itself
+(``ucp_ep_query``) for each new endpoint's lanes, which kvd logs and exports as a metric: the
+proof that kvds on different nodes talk over the network (``tcp/eth0``), not shared memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import fcntl
 import logging
 import os
@@ -43,6 +52,43 @@ class TransportError(Exception):
 
 TAG_INDEX_BITS = 20
 MAX_MESSAGES = 1 << TAG_INDEX_BITS
+_UCP_EP_ATTR_FIELD_TRANSPORTS = 1 << 3
+_MAX_LANES = 32
+
+
+class _TransportEntry(ctypes.Structure):  # ucp_transport_entry_t (ucp_def.h)
+    _fields_ = [("transport_name", ctypes.c_char_p), ("device_name", ctypes.c_char_p)]
+
+
+class _Transports(ctypes.Structure):  # ucp_transports_t
+    _fields_ = [("entries", ctypes.POINTER(_TransportEntry)), ("num_entries", ctypes.c_uint),
+                ("entry_size", ctypes.c_size_t)]
+
+
+class _EpAttr(ctypes.Structure):  # ucp_ep_attr_t: name[UCP_ENTITY_NAME_MAX], 2 sockaddr_storage
+    _fields_ = [("field_mask", ctypes.c_uint64), ("name", ctypes.c_char * 32),
+                ("local_sockaddr", ctypes.c_byte * 128), ("remote_sockaddr", ctypes.c_byte * 128),
+                ("transports", _Transports), ("user_data", ctypes.c_void_p)]
+
+
+def endpoint_lanes(ep: Any) -> list[str]:
+    """UCX's own report of the transports a ucxx endpoint uses: one ``transport/device`` per
+    lane (``ucp_ep_query``), e.g. ``["tcp/eth0"]``, or ``["sysv/memory", "posix/memory",
+    "tcp/lo"]`` between two processes of one host. Empty if UCX cannot say."""
+    try:
+        ucp = ctypes.CDLL("libucp.so.0")  # already loaded by ucxx: the same library
+    except OSError:
+        return []
+    entries = (_TransportEntry * _MAX_LANES)()
+    attr = _EpAttr(field_mask=_UCP_EP_ATTR_FIELD_TRANSPORTS)
+    attr.transports = _Transports(ctypes.cast(entries, ctypes.POINTER(_TransportEntry)),
+                                  _MAX_LANES, ctypes.sizeof(_TransportEntry))
+    if ucp.ucp_ep_query(ctypes.c_void_p(ep.ucp_endpoint), ctypes.byref(attr)) != 0:  # UCS_OK
+        return []
+    lanes = []
+    for e in entries[:attr.transports.num_entries]:
+        lanes.append(f"{(e.transport_name or b'?').decode()}/{(e.device_name or b'?').decode()}")
+    return lanes
 
 
 @dataclass(frozen=True)
@@ -111,6 +157,7 @@ class UcxTransport:
         self._requests: list[tuple[Any, asyncio.Future[None], Any]] = []
         self._num_sent_blocks = 0
         self.address = b""
+        self.lanes: dict[str, list[str]] = {}  # node_id -> UCX's transports to it
 
     def attach(self, pool: np.ndarray, data_offset: int, slot_bytes: int) -> None:
         """Point the data plane at the pool segment (once its slot size is known)."""
@@ -240,6 +287,9 @@ class UcxTransport:
             except self._errors as exc:
                 raise TransportError(f"cannot reach {node_id}: {exc}") from exc
             self._eps[node_id] = (address, ep)
+            self.lanes[node_id] = endpoint_lanes(ep)
+            log.info("ucx endpoint", extra={"fields": {
+                "peer": node_id, "transports": ",".join(self.lanes[node_id]) or "unknown"}})
             return ep
 
     def drop(self, node_id: str) -> None:

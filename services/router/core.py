@@ -11,6 +11,8 @@
       6. stream    first token + placement; done here when prefill says it is final
       7. decode    Decode.Decode(blocks, first token) -> chunks relayed as they come;
                    fails before its first chunk -> another decode pulls from prefill's kvd;
+                   could not get the KV (its source lost or partitioned) -> prefilled again
+                   on another prefill instance, the first token kept, decoded once more;
                    fails after -> the client has the tokens so far, then UNAVAILABLE
       8. finish    final message carries finish_reason and usage; quota refunded
     With tools, the relayed text is read for tool calls (``tools.with_tool_calls``); with echo
@@ -38,7 +40,7 @@ from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
 from pdserve.roles import Role
 from pdserve.telemetry import outbound_metadata
 from services.router import metrics
-from services.router.flow import Flow, relay_decode, run_prefill
+from services.router.flow import Flow, KvLost, prefill_again, relay_decode, run_prefill
 from services.router.instances import Instance, InstancePool
 from services.router.model import ModelSpec
 from services.router.policy import Choice, RouteQuery, RoutingPolicy
@@ -234,8 +236,15 @@ class Router:
             decodes = group.colocated
             flow.choice = self._place_colocated(flow, decodes)
             self._count_placement(flow)
-        async for message in relay_decode(flow, self.policy, self.pool, decodes, first):
-            yield message
+        try:
+            async for message in relay_decode(flow, self.policy, self.pool, decodes, first):
+                yield message
+        except KvLost as lost:  # the client has the first token; its KV is gone: once more
+            prefills = [p for p in group.prefills if p.is_healthy]  # alike blocks only
+            decodes = [d for d in group.decodes if d.is_healthy]
+            await prefill_again(flow, self.policy, self.pool, lost, prefills, decodes)
+            async for message in relay_decode(flow, self.policy, self.pool, decodes, None):
+                yield message
 
     def _place_colocated(self, flow: Flow, decodes: list[Instance]) -> Choice:
         assert flow.query is not None

@@ -21,6 +21,16 @@ from services.router.requests import Prepared
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
                        grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION})
+# A decode that could not get the request's KV blocks failed for want of them, not by itself:
+# their transfer was aborted (the source node lost, partitioned or stalled: ABORTED), they are
+# nowhere (NOT_FOUND) or arrived corrupt twice (DATA_LOSS). Another decode pulling from the
+# same source would wait out the same fault: the prompt is prefilled again instead.
+KV_LOST = frozenset({grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND,
+                     grpc.StatusCode.DATA_LOSS})
+
+
+class KvLost(StatusError):
+    """A decode could not get the request's KV before its first chunk (``KV_LOST``)."""
 
 
 @dataclass
@@ -143,9 +153,10 @@ def _decode_request(flow: Flow, decode: Instance) -> engine_pb2.DecodeRequest:
         assert flow.choice is not None
         request.first_token_id = pre.first_token_id
         request.blocks.extend(pre.blocks)
-        # Blocks were pushed to the first choice's kvd; any other decode pulls from prefill's.
-        if decode.kvd_node_id != flow.choice.decode.kvd_node_id or not decode.kvd_node_id:
-            request.source.CopyFrom(pre.source)
+        # Blocks were pushed to the first choice's kvd, but not all of them need be (prefill
+        # pushes only what it commits, not a prefix it loaded from its kvd; a push may fail):
+        # whatever is missing is pulled from prefill's kvd, which holds every block.
+        request.source.CopyFrom(pre.source)
     return request
 
 
@@ -166,6 +177,10 @@ async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
             return
         except grpc.RpcError as exc:
             code, where = exc.code(), f"decode on {decode.instance_id}"
+            if (code in KV_LOST and flow.prefill_response is not None
+                    and flow.num_decode_chunks == chunks_before):
+                raise KvLost(grpc.StatusCode.UNAVAILABLE, f"{where} could not get the "
+                             f"request's KV blocks: {exc.details()}") from exc
             pool.mark_failed(decode, code)
             if code == grpc.StatusCode.DEADLINE_EXCEEDED or code not in RETRYABLE:
                 raise _rpc_error(exc, where) from exc
@@ -181,6 +196,24 @@ async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
                                   f"and no other decode instance is left to try") from exc
             metrics.RETRIES.labels("decode").inc()
             decode, first = replacement, None
+
+
+async def prefill_again(flow: Flow, policy: RoutingPolicy, pool: InstancePool, lost: KvLost,
+                        prefills: Sequence[Instance], decodes: Sequence[Instance]) -> None:
+    """The decode could not get the request's KV (``KvLost``): prefill the prompt again on one
+    of ``prefills`` (healthy, alike), another instance than the first when there is one. The
+    client already has the first token, so it stays; the new prefill's own first token is
+    dropped (the prompt's KV does not depend on it). Without a prefill and a decode left,
+    ``lost`` goes to the client."""
+    assert flow.prefill_response is not None and flow.choice is not None
+    sent, lost_on = flow.prefill_response.first_token_id, flow.choice.prefill
+    prefills = [p for p in prefills if p is not lost_on] or list(prefills)
+    if not prefills or not decodes:
+        raise StatusError(lost.code, f"{lost.message}; no healthy prefill and decode pair is "
+                          "left to compute them again")
+    metrics.RETRIES.labels("prefill_again").inc()
+    await run_prefill(flow, policy, pool, prefills, decodes)
+    flow.prefill_response.first_token_id = sent
 
 
 def _next_decode(flow: Flow, policy: RoutingPolicy, decodes: Sequence[Instance],

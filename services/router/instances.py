@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from redis.exceptions import RedisError
 
-from pdserve.channel import insecure_channel
+from pdserve.channel import KEEPALIVE_OPTIONS, insecure_channel
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.registry import InstanceRecord, list_instances
 from pdserve.roles import Role
@@ -69,7 +69,9 @@ class Instance:
         if not self.instance_id:
             self.instance_id = self.address
         # One channel per instance for its whole life: no per-request connection setup.
-        self.channel = insecure_channel(self.address, *RECONNECT_OPTIONS,
+        # Keepalive: calls on an instance whose node is partitioned or lost fail (and are
+        # retried elsewhere) in seconds, instead of hanging until their deadline.
+        self.channel = insecure_channel(self.address, *RECONNECT_OPTIONS, *KEEPALIVE_OPTIONS,
                                         credentials=self.credentials)
         self.prefill = engine_pb2_grpc.PrefillStub(self.channel)
         self.decode = engine_pb2_grpc.DecodeStub(self.channel)

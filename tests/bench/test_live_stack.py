@@ -7,7 +7,7 @@ import asyncio
 import math
 from pathlib import Path
 
-from pdserve_bench.compare import _router_counters
+from pdserve_bench.compare import router_counters
 from pdserve_bench.configs import RunConfig
 from pdserve_bench.runner import LoadSettings, Target, run_load
 from pdserve_bench.stack import StackProcess
@@ -31,5 +31,5 @@ def test_short_run_against_pdserve_up(tmp_path: Path) -> None:
         (run,) = run_load(Target(router=info.router, router_credentials=info.router_credentials),
                           load)
         assert run.summary.num_errors == 0 and run.summary.num_ok == 4
-        counters = asyncio.run(_router_counters(info.router, info.router_credentials))
+        counters = asyncio.run(router_counters(info.router, info.router_credentials))
         assert counters["prompt_blocks"] > 0

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -24,7 +22,7 @@ from pdserve.client import (
     NotFound,
 )
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
-from tests.e2e.stack import ROOT, UpStack, child_env, wait_until
+from tests.e2e.stack import UpStack, wait_until
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6  # several full blocks
 CHAT = [{"role": "system", "content": "You are terse."},
@@ -203,19 +201,6 @@ def test_unknown_model_is_not_found(client: Client) -> None:
     with pytest.raises(NotFound) as err:
         client.generate("hi", model="no-such-model", max_tokens=4).collect()
     assert err.value.message == "model: 'no-such-model' is not served here (served: 'tiny')"
-
-
-def test_the_banners_grpc_example_runs(stack: UpStack) -> None:
-    """``pdserve up`` prints a pdserve.client one-liner next to curl and openai: it works."""
-    at = next(i for i, line in enumerate(stack.lines) if "from pdserve.client import" in line)
-    variable, _, value = stack.lines[at - 1].strip().removesuffix("\\").strip().partition("=")
-    command = (stack.lines[at].strip() + stack.lines[at + 1]).replace("\\", "")
-    code = command.removeprefix('python -c "').removesuffix('"')
-    assert variable == "PDSERVE_CLIENT_SECRET_FILE"  # the router's credential, from its file
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env={**child_env(), variable: value}, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip()
 
 
 def test_models_and_cluster_state(client: Client) -> None:

@@ -5,6 +5,7 @@ its service after one request, and a cancelled stream logs no context error."""
 from __future__ import annotations
 
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -95,17 +96,20 @@ def test_one_request_is_one_trace_across_the_five_services(
     assert {"pdserve-gateway", "pdserve-router", "pdserve-prefill", "pdserve-decode",
             "pdserve-kvd"} <= services
 
-    def parent(name: str) -> str:
-        svc, span = next((svc, s) for svc, s in spans if s.name == name)
-        return by_id[span.parent_span_id][1].name  # type: ignore[attr-defined]
+    def parents(name: str) -> set[str]:
+        return {by_id[s.parent_span_id][1].name for _, s in spans  # type: ignore[attr-defined]
+                if s.name == name}
 
-    assert parent("Router.Generate").startswith("POST /v1/chat/completions")
-    assert parent("Prefill.Prefill") == "Router.Generate"
-    assert parent("Decode.Decode") == "Router.Generate"
-    assert parent("Kvd.Commit") == "Prefill.Prefill"
-    assert parent("kvd.send") == "Kvd.Commit"
-    assert parent("Kvd.Transfer") == "Kvd.Commit"  # on the decode node, pushed to
-    assert parent("Kvd.Await") == "Decode.Decode"
+    assert parents("Router.Generate") == {"POST /v1/chat/completions"}
+    assert parents("Prefill.Prefill") == {"Router.Generate"}
+    assert parents("Decode.Decode") == {"Router.Generate"}
+    # The prefill commits the prompt's blocks (and pushes them); the decode commits the
+    # answer's blocks to its own kvd as they fill (kept for the next turn).
+    assert "Prefill.Prefill" in parents("Kvd.Commit")
+    assert parents("Kvd.Commit") <= {"Prefill.Prefill", "Decode.Decode"}
+    assert parents("kvd.send") == {"Kvd.Commit"}
+    assert parents("Kvd.Transfer") == {"Kvd.Commit"}  # on the decode node, pushed to
+    assert parents("Kvd.Await") == {"Decode.Decode"}
     send = next(s for _, s in spans if s.name == "kvd.send")
     attrs = {a.key: a.value.int_value for a in send.attributes}
     assert attrs["pdserve.kvd.blocks"] > 0 and attrs["pdserve.kvd.bytes"] > 0
@@ -158,3 +162,25 @@ def test_cancelled_streams_log_no_context_error(stack: UpStack) -> None:
     logs = "\n".join(stack.lines)
     assert "[decode-0]" in logs and "[router]" in logs  # the services' logs are here
     assert "Failed to detach context" not in logs
+
+
+def test_the_printed_examples_run_as_printed(stack: UpStack) -> None:
+    """The commands ``pdserve up`` prints under "Try it" work pasted into a shell whose PATH
+    has no virtual environment on it (the banner names its own interpreter)."""
+    start = next(i for i, line in enumerate(stack.lines) if line.startswith("Try it"))
+    end = next(i for i, line in enumerate(stack.lines) if line.startswith("pdserve ready"))
+    commands, current = [], ""
+    for line in stack.lines[start + 1:end]:
+        if not line.strip():
+            continue
+        current += line.strip()[:-1] + " " if line.endswith("\\") else line.strip()
+        if not line.endswith("\\"):
+            commands.append(current)
+            current = ""
+    assert len(commands) == 3, commands
+    shell_env = {"PATH": "/usr/bin:/bin", "HOME": str(ROOT)}
+    for command in commands:
+        proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                              timeout=120, env=shell_env, cwd="/")
+        assert proc.returncode == 0, (command, proc.stderr[-2000:])
+        assert proc.stdout.strip(), command

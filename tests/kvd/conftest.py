@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,12 +22,13 @@ BLOCK = dict(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype="fl
 class KvdProc:
     """One kvd subprocess; ``address`` once it printed its ready line."""
 
-    def __init__(self, *args: str, node_id: str = "", port: int = 0, secret: str = "") -> None:
+    def __init__(self, *args: str, node_id: str = "", port: int = 0, secret: str = "",
+                 log_level: str = "warning") -> None:
         self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.node_id = node_id or self.address
         env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}", "PDSERVE_LOG_LEVEL":
-               "warning"}
+               log_level}
         if secret:  # the data-plane credential, as pdserve up hands it over: never a flag
             env["PDSERVE_SECRET"] = secret
         self.proc = subprocess.Popen(
@@ -39,6 +41,8 @@ class KvdProc:
         if "listening on" not in line:
             rest = self.proc.stdout.read() if self.proc.poll() is not None else ""
             raise RuntimeError(f"kvd did not start: {line}{rest}")
+        m = re.search(r"metrics on [^:]+:(\d+)", line)
+        self.metrics_port = int(m.group(1)) if m else None
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -77,6 +77,43 @@ async def test_decode_failing_before_its_first_token_is_retried(cluster: Cluster
     assert retry.source.node_id == "node-P"  # the new decode pulls from prefill's kvd
 
 
+@pytest.mark.parametrize("code", [grpc.StatusCode.ABORTED, grpc.StatusCode.NOT_FOUND,
+                                  grpc.StatusCode.DATA_LOSS])
+async def test_decode_without_its_kv_is_prefilled_again_elsewhere(cluster: Cluster,
+                                                                 code) -> None:
+    """The decode's kvd could not get the blocks (their source partitioned or lost: ABORTED):
+    another prefill computes them again; the client keeps the first token it already has."""
+    a = await cluster.engine("A", "prefill", first_token=7)
+    b = await cluster.engine("B", "prefill", first_token=9)
+    d = await cluster.engine("D", "decode")
+    d.decode_errors = [code]
+    router, client = await cluster.router([a, b], [d], policy="round_robin")
+    msgs = await client.generate(ids=PROMPT)
+    assert [list(m.token_ids) for m in msgs] == [[7], [100], [101], [102]]
+    assert len(a.seen.prefills) == 1 and len(b.seen.prefills) == 1
+    first, second = d.seen.decodes
+    assert first.source.node_id == "node-A" and second.source.node_id == "node-B"
+    assert second.first_token_id == 7  # the token already sent, not B's own
+    by_id = {i.instance_id: i for i in router.pool.instances.values()}
+    assert by_id["D"].is_healthy and by_id["D"].num_errors == 0  # the KV was lost, not D
+
+
+async def test_kv_lost_twice_is_a_clear_error(cluster: Cluster) -> None:
+    a, b = await cluster.engine("A", "prefill"), await cluster.engine("B", "prefill")
+    d = await cluster.engine("D", "decode")
+    d.decode_errors = [grpc.StatusCode.ABORTED, grpc.StatusCode.ABORTED]
+    _, client = await cluster.router([a, b], [d], policy="round_robin")
+    call = client.stub.Generate(request(ids=PROMPT), timeout=10)
+    got = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for m in call:
+            got.append(list(m.token_ids))
+    assert got == [[7]]
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "decode on D could not get the request's KV blocks" in err.value.details()
+    assert len(d.seen.decodes) == 2
+
+
 async def test_decode_failing_after_tokens_gives_them_and_a_clear_error(cluster: Cluster) -> None:
     p = await cluster.engine("P", "prefill")
     d1, d2 = await cluster.engine("D1", "decode"), await cluster.engine("D2", "decode")

@@ -31,7 +31,8 @@ async def test_disaggregated_path_streams_first_token_then_decode(cluster: Clust
     assert pre.destination.node_id == "node-D"  # prefill pushes to the decode node's kvd
     assert pre.meta.priority == 3 and pre.meta.tenant == "t" and pre.meta.request_id == "r1"
     assert dec.first_token_id == 7 and len(dec.blocks) == len(PROMPT) // 4
-    assert not dec.HasField("source")  # blocks were pushed there: nothing to pull
+    # Pushed there; whatever did not arrive (a prefix prefill loaded, not computed) is pulled.
+    assert dec.source.node_id == "node-P"
 
 
 async def test_text_and_chat_prompts_are_tokenized(cluster: Cluster) -> None:

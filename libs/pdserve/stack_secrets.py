@@ -1,4 +1,4 @@
-"""The credentials of one ``pdserve up`` stack (docs/security.md).
+"""The credentials of one stack, ``pdserve up`` or the namespace cluster (docs/security.md).
 
 Each credential is taken from the launcher's own environment (``PDSERVE_SECRET`` or
 ``PDSERVE_SECRET_FILE``...) or made fresh, random, for this stack; so is the private Redis's

@@ -1,0 +1,136 @@
+"""Child processes under a supervisor (``pdserve up``, the namespace cluster): each started
+with the supervisor's death as its own (PR_SET_PDEATHSIG), ready once it prints
+``pdserve <name> listening on <host>:<port>``, its log kept; and a private ``redis-server``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY = re.compile(r"pdserve (\w+) listening on (\S+):(\d+)(?: \(metrics on (\S+)\))?")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def die_with_parent() -> None:
+    """In a child, before exec: SIGTERM it when its supervisor dies, even by SIGKILL
+    (PR_SET_PDEATHSIG; kept across exec, also through ``ip netns exec``)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def start_redis(exe: str, host: str, port: int, password: str = "",
+                prefix: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """A private ``redis-server`` on ``host:port`` keeping nothing on disk, once it accepts
+    connections (RuntimeError if it does not within 10 s). Its configuration, the password
+    included, goes in on stdin: a command line is visible to every user. ``prefix`` runs it
+    through another command (``ip netns exec <ns>``)."""
+    config = f'port {port}\nbind {host}\nsave ""\nappendonly no\n'
+    if password:
+        config += f"requirepass {password}\n"
+    proc = subprocess.Popen([*prefix, exe, "-"], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=die_with_parent)
+    assert proc.stdin is not None
+    proc.stdin.write(config.encode())
+    proc.stdin.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"private redis-server did not start on {host}:{port}")
+
+
+@dataclass
+class Proc:
+    """One supervised child: its command, where it listens, and how often it was restarted.
+    It dies with its supervisor (PR_SET_PDEATHSIG)."""
+
+    name: str
+    args: list[str]
+    port: int
+    cpus: set[int] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # its own: only its role's credentials
+    metrics: str = ""  # host:port of its /metrics, read from its ready line
+    log: Path | None = None  # its stderr, kept (appended across restarts)
+    verbose: bool = False  # also stream it, prefixed with its name
+    cwd: Path | None = None
+    popen: subprocess.Popen[str] | None = None
+    restarts: int = 0
+    log_tail: list[str] = field(default_factory=list)
+    _stderr_reader: threading.Thread | None = field(default=None, repr=False)
+
+    def start(self, env: dict[str, str]) -> None:
+        cpus = self.cpus
+
+        def pin() -> None:
+            die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        self.popen = subprocess.Popen(self.args, cwd=self.cwd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, preexec_fn=pin)
+        self._stderr_reader = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._stderr_reader.start()
+
+    def _drain_stderr(self) -> None:
+        assert self.popen is not None and self.popen.stderr is not None
+        with (self.log.open("a", encoding="utf-8") if self.log else open(os.devnull, "w")) as out:
+            for line in self.popen.stderr:
+                self.log_tail = [*self.log_tail[-40:], line.rstrip()]
+                out.write(line)
+                out.flush()
+                if self.verbose:
+                    sys.stderr.write(f"[{self.name}] {line}")
+
+    def wait_ready(self, timeout: float) -> None:
+        assert self.popen is not None and self.popen.stdout is not None
+        deadline = time.monotonic() + timeout
+        result: list[str] = []
+        reader = threading.Thread(target=lambda: result.append(self.popen.stdout.readline()),  # type: ignore[union-attr]
+                                  daemon=True)
+        reader.start()
+        reader.join(max(0.0, deadline - time.monotonic()))
+        ready = READY.search(result[0]) if result else None
+        if ready is None:
+            if self.popen.poll() is not None and self._stderr_reader is not None:
+                self._stderr_reader.join(timeout=2)  # died: let its last words reach the tail
+            tail = "\n  ".join(self.log_tail[-15:])
+            raise RuntimeError(f"{self.name} did not become ready (exit code "
+                               f"{self.popen.poll()}); its last log lines:\n  {tail}")
+        self.metrics = ready.group(4) or ""
+        threading.Thread(target=self._drain_stdout, daemon=True).start()
+
+    def _drain_stdout(self) -> None:
+        assert self.popen is not None and self.popen.stdout is not None
+        for _ in self.popen.stdout:
+            pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
