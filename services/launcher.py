@@ -27,6 +27,7 @@ from pdserve import env
 from pdserve.procs import Proc, free_port, redis_server_exe, start_redis
 from pdserve.roles import Role
 from pdserve.stack_secrets import StackSecrets
+from pdserve.tool_calls import PARSERS
 from services.devices import engine_flags, parse_cpus, parse_devices, place
 from services.router.config import RouterConfig
 from services.router.policy import POLICIES
@@ -53,6 +54,11 @@ def _args(ns: argparse.Namespace) -> argparse.Namespace:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve up", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny", help="built-in model name or a local HF directory")
+    p.add_argument("--served-model-name", nargs="+", default=[], metavar="NAME",
+                   help="names clients use for the model (default: --model); the first is "
+                        "the default")
+    p.add_argument("--tool-call-parser", default=RouterConfig.tool_call_parser,
+                   choices=["auto", *PARSERS], help="the model family's tool-call format")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (0 = free port)")
     p.add_argument("--prefill", type=int, default=1, help="prefill instances (one node each)")
@@ -158,8 +164,11 @@ class Stack:
                                  "--instance-id", f"{role[0]}{i}", *kvd_flags, *threads,
                                  *next(placement), *ns.engine_arg], cpu)
                 engines[role].append(f"{ns.host}:{eng.port}")
+        names = ["--served-model-name", ",".join(ns.served_model_name)] \
+            if ns.served_model_name else []
         router = self._add("router", "router",
-                           ["--model", ns.model, "--policy", ns.policy,
+                           ["--model", ns.model, *names, "--policy", ns.policy,
+                            "--tool-call-parser", ns.tool_call_parser,
                             "--prefill", ",".join(engines[Role.PREFILL]),
                             "--decode", ",".join(engines[Role.DECODE])])
         self.router_address = f"{ns.host}:{router.port}"
@@ -235,6 +244,7 @@ def _without_password(url: str) -> str:
 
 def _banner(stack: Stack) -> None:
     ns = stack.ns
+    model = ns.served_model_name[0] if ns.served_model_name else ns.model
     base = f"http://{ns.host}:{stack.gateway.port}/v1"
     auth = "" if ns.keys_file else "(no API keys: loopback only, without auth)"
     print(f"pdserve router: {stack.router_address}")
@@ -251,9 +261,9 @@ def _banner(stack: Stack) -> None:
     print(f"""
 Try it {auth}:
   curl {base}/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{ns.model}", "prompt": "Hello", "max_tokens": 16}}'
+    -d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'
   {python} -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='none'); \\
-print(c.completions.create(model='{ns.model}', prompt='Hello', max_tokens=16).choices[0].text)"
+print(c.completions.create(model='{model}', prompt='Hello', max_tokens=16).choices[0].text)"
   {env.CLIENT_SECRET_VAR}_FILE={stack.secrets.directory / env.CLIENT_SECRET_VAR} \\
   {python} -c "from pdserve.client import Client; \\
 print(Client('{stack.router_address}').generate('Hello', max_tokens=16).collect().text)"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from pdserve.errors import BadRequest
 from pdserve.proto.v1 import common_pb2
 from pdserve.sampling_params import SamplingParams
+from pdserve.structured import StructuredOutput
 
 if TYPE_CHECKING:  # the router imports this module and must not pay for torch
     from pdserve.engine.request import Logprob
@@ -34,6 +35,10 @@ def sampling_from_proto(sp: common_pb2.SamplingParams, default_max_tokens: int,
         if bad_stop:
             raise BadRequest(f"sampling.stop_token_ids must be < vocab_size {vocab_size}, "
                              f"got {bad_stop[:5]}")
+        bad_bias = sorted(t for t in sp.logit_bias if t >= vocab_size)
+        if bad_bias:
+            raise BadRequest(f"sampling.logit_bias: token ids must be < vocab_size "
+                             f"{vocab_size}, got {bad_bias[:5]}")
     top_k = sp.top_k if sp.HasField("top_k") else -1
     try:
         return SamplingParams(
@@ -45,9 +50,41 @@ def sampling_from_proto(sp: common_pb2.SamplingParams, default_max_tokens: int,
             seed=sp.seed if sp.HasField("seed") else None,
             stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos,
-            logprobs=sp.logprobs if sp.HasField("logprobs") else None)
+            logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            presence_penalty=(sp.presence_penalty if sp.HasField("presence_penalty")
+                              else 0.0),
+            frequency_penalty=(sp.frequency_penalty if sp.HasField("frequency_penalty")
+                               else 0.0),
+            repetition_penalty=(sp.repetition_penalty if sp.HasField("repetition_penalty")
+                                else 1.0),
+            logit_bias=dict(sp.logit_bias),
+            structured=structured_from_proto(sp.structured) if sp.HasField("structured")
+            else None,
+            prompt_logprobs=sp.prompt_logprobs if sp.HasField("prompt_logprobs") else None)
     except BadRequest as exc:
         raise BadRequest(f"sampling.{exc.message}") from exc
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise BadRequest("structured: set one of json_schema, json_object, regex, choice, "
+                         "grammar")
+    if kind == "json_object" and not msg.json_object:
+        raise BadRequest("structured.json_object: must be true when set")
+    value = tuple(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    return StructuredOutput(kind, "" if kind == "json_object" else value)
+
+
+def structured_to_proto(so: StructuredOutput) -> common_pb2.StructuredOutput:
+    msg = common_pb2.StructuredOutput()
+    if so.kind == "choice":
+        msg.choice.choices.extend(so.value)
+    elif so.kind == "json_object":
+        msg.json_object = True
+    else:
+        setattr(msg, so.kind, so.value)
+    return msg
 
 
 def logprobs_to_proto(token_id: int, lp: Logprob,
@@ -63,6 +100,12 @@ def logprobs_to_proto(token_id: int, lp: Logprob,
 
     return common_pb2.PositionLogprobs(sampled=entry(token_id, lp.logprob),
                                        top=[entry(t, v) for t, v in lp.top])
+
+
+def prompt_logprobs_to_proto(prompt: list[int], entries: list[Logprob],
+                             tokenizer: Tokenizer | None) -> list[common_pb2.PositionLogprobs]:
+    """Entry i scores prompt token i + 1 (the first prompt token has none)."""
+    return [logprobs_to_proto(prompt[i + 1], lp, tokenizer) for i, lp in enumerate(entries)]
 
 
 def finish_to_proto(reason: str | None) -> common_pb2.FinishReason:

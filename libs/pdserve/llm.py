@@ -22,6 +22,8 @@ class Completion:
     text: str
     finish_reason: str  # "stop" | "length" | "abort"
     logprobs: list[Logprob] | None = None
+    # With params.prompt_logprobs: entry i scores prompt token i + 1 (the first has none).
+    prompt_logprobs: list[Logprob] | None = None
 
 
 class LLM:
@@ -81,12 +83,15 @@ class LLM:
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         texts: dict[str, list[str]] = {rid: [] for rid in ids}
         logprobs: dict[str, list[Logprob]] = {rid: [] for rid in ids}
+        prompt_logprobs: dict[str, list[Logprob] | None] = {}
         done: dict[str, str] = {}
         while len(done) < len(ids):
             for out in self.engine.step():
                 tokens[out.request_id] += out.new_token_ids
                 texts[out.request_id].append(out.text)
                 logprobs[out.request_id] += out.logprobs or []
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.request_id] = out.prompt_logprobs
                 if out.finished:
                     done[out.request_id] = out.finish_reason or "stop"
         if not self.engine.has_unfinished():
@@ -94,7 +99,8 @@ class LLM:
         results = []
         for rid, prompt, p in zip(ids, prompts, plist, strict=True):
             results.append(Completion(prompt, tokens[rid], "".join(texts[rid]), done[rid],
-                                      logprobs[rid] if p.logprobs is not None else None))
+                                      logprobs[rid] if p.logprobs is not None else None,
+                                      prompt_logprobs.get(rid)))
         return results
 
 

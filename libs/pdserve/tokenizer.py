@@ -14,8 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pdserve import chat_template
+
+# transformers' named special tokens, handed to chat templates by these names.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
 
 
 def _token_text(token: Any) -> str | None:
@@ -33,10 +37,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return data
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
 
 
 def bytes_to_unicode() -> list[str]:
@@ -65,12 +65,20 @@ class Tokenizer:
         chat_template: str | None = None,
         add_bos_token: bool | None = None,
         add_eos_token: bool | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_templates: Mapping[str, str] | None = None,
     ) -> None:
         self._tok = tokenizer
         self.bos_token, self.eos_token = bos_token, eos_token
         self.bos_token_id = self._tok.token_to_id(bos_token) if bos_token else None
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
+        # Named templates ("tool_use" is taken when a request has tools, as transformers does).
+        self.chat_templates = dict(chat_templates or {})
+        # What chat templates see under transformers' names (bos_token, eos_token, ...).
+        self.special_tokens = {**{k: v for k, v in (("bos_token", bos_token),
+                                                     ("eos_token", eos_token)) if v},
+                               **{k: v for k, v in (special_tokens or {}).items() if v}}
         # None: trust the tokenizer.json post-processor; a bool overrides it (tokenizer_config).
         self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
         decoders = _decoder_types(json.loads(tokenizer.to_str()).get("decoder"))
@@ -92,14 +100,19 @@ class Tokenizer:
             eos_ids = tok.token_to_id(eos)
         eos_ids = [eos_ids] if isinstance(eos_ids, int) else list(eos_ids or [])
         template = cfg.get("chat_template")
+        named: dict[str, str] = {}
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default")
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        legacy = _read_json(path / "special_tokens_map.json")
+        special = {name: _token_text(cfg.get(name, legacy.get(name)))
+                   for name in SPECIAL_TOKEN_NAMES}
         return cls(
             tok, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, chat_template=template,
             add_bos_token=cfg.get("add_bos_token"), add_eos_token=cfg.get("add_eos_token"),
+            special_tokens={k: v for k, v in special.items() if v}, chat_templates=named,
         )
 
     @property
@@ -128,21 +141,20 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-        **kwargs: Any,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any,
     ) -> str:
-        if not self.chat_template:
+        """The prompt text, as transformers' ``apply_chat_template(..., tokenize=False)``
+        renders it (``pdserve.chat_template``); template errors are ValueError."""
+        source = self.chat_template
+        if tools is not None and "tool_use" in self.chat_templates:
+            source = self.chat_templates["tool_use"]
+        if not source:
             raise ValueError("this model has no chat template (tokenizer_config.json "
                              "'chat_template' or chat_template.jinja); use a plain prompt")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        template = env.from_string(self.chat_template)
-        try:
-            return template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
-            )
-        except TemplateError as e:
-            raise ValueError(f"chat template failed on these messages: {e}") from e
+        return chat_template.render(source, messages, add_generation_prompt=add_generation_prompt,
+                                    tools=tools, documents=documents,
+                                    special_tokens=self.special_tokens, **kwargs)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for on its own: a UTF-8 fragment for a byte-level token

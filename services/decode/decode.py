@@ -55,6 +55,7 @@ class Chunk:
     logprobs: list[tuple[int, Logprob]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    prompt_logprobs: list[Logprob] | None = None  # colocated, first chunk: the prompt's
     # Usage, on the last chunk only.
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -72,7 +73,9 @@ async def run_decode(inst: EngineInstance, job: DecodeJob, timeout: float) -> As
             yield Chunk([], finish_reason="length", completion_tokens=1)
             return
         prompt = [*job.prompt, job.first_token_id]
-        params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - 1)
+        # The prefill scored the prompt already (prompt_logprobs).
+        params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - 1,
+                                     prompt_logprobs=None)
     # With a kvd, the finished request's pages stay until its full blocks (prompt and
     # answer) are in the kvd, where the next turn's prefill finds them.
     kept = KeptBlocks(inst, job) if inst.bridge is not None else None
@@ -111,7 +114,8 @@ async def _follow(job: DecodeJob, stream: RequestStream, params: SamplingParams,
     num_done = 0 if job.first_token_id is None else 1
     last = time.monotonic()
     async for out in stream:
-        chunk = Chunk(list(out.new_token_ids), text=out.text)
+        chunk = Chunk(list(out.new_token_ids), text=out.text,
+                      prompt_logprobs=out.prompt_logprobs)
         if kept is not None and out.new_full_blocks and not out.finished:
             kept.add(out.new_full_blocks)
         if params.logprobs is not None and out.logprobs:

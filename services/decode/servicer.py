@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
-from pdserve.convert import finish_to_proto, logprobs_to_proto
+from pdserve.convert import finish_to_proto, logprobs_to_proto, prompt_logprobs_to_proto
 from pdserve.errors import BadRequest
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.roles import Role
@@ -36,7 +36,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         with inst.admit(Role.DECODE, Role.COLOCATED):
             timeout = kvd_timeout(context, inst.config.kvd_timeout)
             async for chunk in run_decode(inst, job, timeout):
-                yield _chunk_to_proto(chunk, len(job.prompt), inst.engine.tokenizer)
+                yield _chunk_to_proto(chunk, job.prompt, inst.engine.tokenizer)
 
 
 def _job_from_proto(request: engine_pb2.DecodeRequest, rid: str,
@@ -56,14 +56,17 @@ def _job_from_proto(request: engine_pb2.DecodeRequest, rid: str,
     return DecodeJob(rid, prompt, params, first, blocks, source, request.meta.priority, salt)
 
 
-def _chunk_to_proto(chunk: Chunk, num_prompt: int,
+def _chunk_to_proto(chunk: Chunk, prompt: list[int],
                     tokenizer: Tokenizer | None) -> engine_pb2.DecodeChunk:
     out = engine_pb2.DecodeChunk(
         token_ids=chunk.token_ids, text=chunk.text,
         logprobs=[logprobs_to_proto(t, lp, tokenizer) for t, lp in chunk.logprobs],
         finish_reason=finish_to_proto(chunk.finish_reason))
+    if chunk.prompt_logprobs is not None:
+        out.prompt_logprobs.extend(prompt_logprobs_to_proto(prompt, chunk.prompt_logprobs,
+                                                            tokenizer))
     if chunk.finish_reason is not None:
-        out.usage.CopyFrom(common_pb2.Usage(prompt_tokens=num_prompt,
+        out.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(prompt),
                                             completion_tokens=chunk.completion_tokens,
                                             cached_tokens=chunk.cached_tokens))
     return out

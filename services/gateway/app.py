@@ -42,6 +42,15 @@ def create_app(gw: Gateway) -> FastAPI:
     async def model(request: Request, model_id: str) -> Response:
         return await gw.models(request, model_id)
 
+    @app.post("/tokenize", summary="Token ids of a prompt or a chat, as generation would make "
+              "them (vLLM's shape: count, max_model_len, tokens)")
+    async def tokenize(request: Request) -> Response:
+        return await gw.tokens(request, detokenize=False)
+
+    @app.post("/detokenize", summary="Text of token ids (vLLM's shape: prompt)")
+    async def detokenize(request: Request) -> Response:
+        return await gw.tokens(request, detokenize=True)
+
     @app.get("/health", summary="Liveness: 200 when the router answers its health check, else "
              "503 (open without an API key; names no address)")
     async def health() -> Response:

@@ -90,8 +90,13 @@ def from_rpc_error(exc: grpc.aio.AioRpcError) -> ApiError:
 
 
 # The router names contract fields; clients know OpenAI's names.
-_RENAMES = (("sampling.", ""), ("chat.messages", "messages"), ("prompt_token_ids", "prompt"),
-            ("meta.", ""))
+_RENAMES = (("sampling.structured.json_schema", "response_format"),
+            ("sampling.structured.json_object", "response_format"),
+            ("sampling.structured.regex", "guided_regex"),
+            ("sampling.structured.choice", "guided_choice"),
+            ("sampling.structured.grammar", "guided_grammar"),
+            ("sampling.", ""), ("chat.messages", "messages"), ("chat.documents", "documents"),
+            ("prompt_token_ids", "prompt"), ("meta.", ""))
 
 
 def openai_param(field: str) -> str | None:
@@ -99,6 +104,8 @@ def openai_param(field: str) -> str | None:
     for prefix, replacement in _RENAMES:
         if field.startswith(prefix):
             field = replacement + field[len(prefix):]
+            if replacement in ("response_format", "guided_choice"):  # one field here
+                field = replacement
     return field or None
 
 

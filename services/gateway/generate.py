@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -38,14 +39,19 @@ def finish_reason(msg: router_pb2.GenerateResponse) -> str | None:
 
 @dataclass
 class ChoiceOutput:
-    """What one choice has produced so far."""
+    """What one choice has produced so far. ``calls_finish``: a choice that called tools
+    finishes with "tool_calls" instead of "stop"."""
 
+    calls_finish: bool = False
     texts: list[str] = field(default_factory=list)
     num_tokens: int = 0
     logprobs: list[tuple[router_pb2.GenerateResponse, int]] = field(default_factory=list)
     finish: str | None = None
     usage: common_pb2.Usage | None = None
     prompt_tokens: int = 0
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # merged, by index
+    prompt_text: str = ""
+    prompt_logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
 
     def add(self, msg: router_pb2.GenerateResponse, text_offset: int) -> None:
         if msg.text:
@@ -57,7 +63,16 @@ class ChoiceOutput:
             self.prompt_tokens = msg.placement.prompt_tokens
         if msg.HasField("usage"):
             self.usage = msg.usage
+        self.prompt_text += msg.prompt_text
+        self.prompt_logprobs.extend(msg.prompt_logprobs)
+        for delta in msg.tool_calls:
+            if delta.index >= len(self.tool_calls):
+                self.tool_calls.append({"id": delta.id, "type": "function",
+                                        "function": {"name": delta.name, "arguments": ""}})
+            self.tool_calls[delta.index]["function"]["arguments"] += delta.arguments
         self.finish = finish_reason(msg) or self.finish
+        if self.finish == "stop" and self.tool_calls and self.calls_finish:
+            self.finish = "tool_calls"
 
     @property
     def text(self) -> str:
@@ -156,9 +171,10 @@ class Generation:
                 task.cancel()
 
 
-async def collect(gen: Generation, num_choices: int) -> list[ChoiceOutput]:
+async def collect(gen: Generation, num_choices: int, calls_finish: bool = False
+                  ) -> list[ChoiceOutput]:
     """Read a whole generation (the non-streaming answer)."""
-    choices = [ChoiceOutput() for _ in range(num_choices)]
+    choices = [ChoiceOutput(calls_finish) for _ in range(num_choices)]
     offsets = [0] * num_choices
     async for i, msg in gen.messages():
         choices[i].add(msg, offsets[i])

@@ -42,13 +42,30 @@ def chat_logprobs(msg: router_pb2.GenerateResponse) -> list[dict[str, Any]]:
     return out
 
 
-def completion_logprobs(entries: Sequence[tuple[router_pb2.GenerateResponse, int]]
-                        ) -> dict[str, list[Any]]:
-    """Legacy completions logprobs: parallel lists over generated tokens."""
+def completion_logprobs(entries: Sequence[tuple[router_pb2.GenerateResponse, int]],
+                        prompt: Sequence[common_pb2.PositionLogprobs] = (),
+                        shift: int = 0) -> dict[str, list[Any]]:
+    """Legacy completions logprobs: parallel lists over the tokens. With echo, ``prompt``
+    (one entry per prompt token; the first, which nothing scores, gets null logprobs) comes
+    first, and generated offsets are ``shift`` (the prompt text's length) further."""
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     offsets: list[int] = []
+    at = 0
+    for i, pos in enumerate(prompt):
+        token = _token(pos.sampled)[0]
+        tokens.append(token)
+        offsets.append(at)
+        at += len(token)
+        if i == 0:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(pos.sampled.logprob)
+        top = {token: pos.sampled.logprob}
+        top.update({_token(a)[0]: a.logprob for a in pos.top})
+        top_logprobs.append(top)
     for msg, offset in entries:
         for pos in msg.logprobs:
             token = _token(pos.sampled)[0]
@@ -57,20 +74,48 @@ def completion_logprobs(entries: Sequence[tuple[router_pb2.GenerateResponse, int
             top = {token: pos.sampled.logprob}
             top.update({_token(a)[0]: a.logprob for a in pos.top})
             top_logprobs.append(top)
-            offsets.append(offset)
+            offsets.append(offset + shift)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": offsets}
 
 
 def completion_body(rid: str, created: int, model: str, choices: Sequence[ChoiceOutput], n: int,
                     logprobs: bool) -> dict[str, Any]:
+    """With echo, each choice's text and logprobs begin with the prompt's."""
+    def lp(c: ChoiceOutput) -> dict[str, Any] | None:
+        if not logprobs:
+            return None
+        return completion_logprobs(c.logprobs, c.prompt_logprobs, len(c.prompt_text))
+
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": i, "text": c.text, "finish_reason": c.finish,
-                     "logprobs": completion_logprobs(c.logprobs) if logprobs else None}
-                    for i, c in enumerate(choices)],
+        "choices": [{"index": i, "text": c.prompt_text + c.text, "finish_reason": c.finish,
+                     "logprobs": lp(c)} for i, c in enumerate(choices)],
         "usage": usage_of(choices, n),
     }
+
+
+def tool_call_deltas(msg: router_pb2.GenerateResponse) -> list[dict[str, Any]]:
+    """OpenAI's ``delta.tool_calls``: a call's first piece has its id, type and name."""
+    out = []
+    for d in msg.tool_calls:
+        function: dict[str, Any] = {"arguments": d.arguments}
+        delta: dict[str, Any] = {"index": d.index}
+        if d.id:
+            delta.update(id=d.id, type="function")
+            function = {"name": d.name, "arguments": d.arguments}
+        delta["function"] = function
+        out.append(delta)
+    return out
+
+
+def _message(c: ChoiceOutput) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": c.text if c.text or not c.tool_calls else None,
+                               "refusal": None}
+    if c.tool_calls:
+        message["tool_calls"] = c.tool_calls
+    return message
 
 
 def chat_body(rid: str, created: int, model: str, choices: Sequence[ChoiceOutput], n: int,
@@ -84,8 +129,7 @@ def chat_body(rid: str, created: int, model: str, choices: Sequence[ChoiceOutput
     return {
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "choices": [{"index": i, "finish_reason": c.finish, "logprobs": lp(c),
-                     "message": {"role": "assistant", "content": c.text, "refusal": None}}
-                    for i, c in enumerate(choices)],
+                     "message": _message(c)} for i, c in enumerate(choices)],
         "usage": usage_of(choices, n),
         "system_fingerprint": None,
     }
@@ -113,17 +157,21 @@ class ChunkWriter:
     def chunk(self, index: int, msg: router_pb2.GenerateResponse, finish: str | None
               ) -> bytes | None:
         """The chunk of one router message, or None when it carries nothing to show."""
-        if not msg.text and finish is None and not (self.logprobs and msg.logprobs):
+        if not (msg.text or msg.prompt_text or msg.tool_calls or finish is not None
+                or (self.logprobs and (msg.logprobs or msg.prompt_logprobs))):
             return None
         choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = {"content": msg.text} if msg.text else {}
+            if msg.tool_calls:
+                choice["delta"]["tool_calls"] = tool_call_deltas(msg)
             lp: dict[str, Any] | None = (
                 {"content": chat_logprobs(msg), "refusal": None} if self.logprobs else None)
         else:
-            choice["text"] = msg.text
-            offset = self._offsets.get(index, 0)
-            lp = completion_logprobs([(msg, offset)]) if self.logprobs else None
+            choice["text"] = msg.prompt_text + msg.text  # echo: the prompt comes first
+            offset = self._offsets.get(index, 0) + len(msg.prompt_text)
+            lp = (completion_logprobs([(msg, offset)], msg.prompt_logprobs) if self.logprobs
+                  else None)
             self._offsets[index] = offset + len(msg.text)
         choice["logprobs"] = lp
         choice["finish_reason"] = finish

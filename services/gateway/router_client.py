@@ -37,6 +37,17 @@ class RouterClient:
             self._default_model = reply.models[0].id
         return list(reply.models)
 
+    async def tokenize(self, request: router_pb2.TokenizeRequest,
+                       metadata: tuple[tuple[str, str], ...] = ()) -> router_pb2.TokenizeResponse:
+        return await self._stub.Tokenize(request, timeout=self.timeout,
+                                         metadata=metadata or None)
+
+    async def detokenize(self, request: router_pb2.DetokenizeRequest,
+                         metadata: tuple[tuple[str, str], ...] = (),
+                         ) -> router_pb2.DetokenizeResponse:
+        return await self._stub.Detokenize(request, timeout=self.timeout,
+                                           metadata=metadata or None)
+
     async def default_model(self) -> str:
         """The router's first model (fetched once: the gateway's ``--model-name`` aliases it)."""
         if self._default_model is None:

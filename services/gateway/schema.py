@@ -1,31 +1,34 @@
 """OpenAI request bodies as pydantic models, and their translation to router ``SamplingParams``.
 
 Unknown fields are ignored (``extra="ignore"``), as OpenAI's own clients send fields a server
-may not know. Known fields whose meaning pdserve cannot honour (``echo``, penalties,
-``logit_bias``, tools) are rejected with a 400 naming them rather than silently dropped.
-Extensions beyond OpenAI: ``top_k``, ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``priority``.
+may not know. Known fields whose meaning pdserve cannot honour (``suffix``, ``best_of``) are
+rejected with a 400 naming them rather than silently dropped. Extensions beyond OpenAI (vLLM's
+names): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``priority``, ``cache_salt``, ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar`` (llguidance's Lark), ``documents`` (chat); ``model`` may be left out when
+one model is served.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdserve.proto.v1 import common_pb2, router_pb2
+from services.gateway.objects import (
+    FieldError,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+)
 
 UINT32_MAX = 2**32 - 1
 UINT64_MASK = 2**64 - 1
 MAX_LOGPROBS = 20  # the router contract's bound on top alternatives
 ROLES = {"system", "user", "assistant", "tool", "developer"}
-
-
-class FieldError(ValueError):
-    """A model-level check that names its field (pydantic would otherwise report loc=())."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
 
 
 class StreamOptions(BaseModel):
@@ -38,7 +41,7 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str = Field(min_length=1)
+    model: str | None = Field(default=None, min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -48,10 +51,16 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # Extensions (vLLM's names).
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(default=None, min_length=1)
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = Field(default=None, min_length=1)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     ignore_eos: bool = False
@@ -75,14 +84,52 @@ class _Common(BaseModel):
             raise ValueError("token ids must be in 0..2^32-1")
         return value or []
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or int(key) > UINT32_MAX:
+                raise ValueError(f"keys must be token ids (as strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for {key}")
+        return value
+
     @model_validator(mode="after")
-    def _unsupported(self) -> _Common:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise FieldError(name, "not supported by pdserve (use 0 or leave it out)")
-        if self.logit_bias:
-            raise FieldError("logit_bias", "not supported by pdserve")
+    def _one_structure(self) -> _Common:
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice",
+                                   "guided_grammar") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise FieldError(given[1], f"cannot be combined with {given[0]} (one structure "
+                             "per request)")
         return self
+
+    def structured(self) -> common_pb2.StructuredOutput | None:
+        """response_format or a guided_* extension, as the contract's StructuredOutput."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            return common_pb2.StructuredOutput(json_object=True)
+        if fmt is not None and fmt.type == "json_schema":
+            assert fmt.json_schema is not None
+            return common_pb2.StructuredOutput(json_schema=json.dumps(fmt.json_schema.schema_))
+        if self.guided_json is not None:
+            schema = self.guided_json
+            return common_pb2.StructuredOutput(
+                json_schema=schema if isinstance(schema, str) else json.dumps(schema))
+        if self.guided_regex is not None:
+            return common_pb2.StructuredOutput(regex=self.guided_regex)
+        if self.guided_choice is not None:
+            return common_pb2.StructuredOutput(
+                choice=common_pb2.StructuredChoice(choices=self.guided_choice))
+        if self.guided_grammar is not None:
+            return common_pb2.StructuredOutput(grammar=self.guided_grammar)
+        return None
+
+    @property
+    def calls_finish(self) -> bool:
+        """Whether a choice that called tools finishes with "tool_calls"."""
+        return False
 
     @property
     def include_usage(self) -> bool:
@@ -98,9 +145,13 @@ class _Common(BaseModel):
                 meta=common_pb2.RequestMeta(request_id=f"{request_id}-{k * self.n + i}",
                                             priority=self.priority, tenant=tenant,
                                             cache_salt=cache_salt),
-                **one_input)
+                **one_input, **self.request_fields())
             for k, one_input in enumerate(inputs) for i in range(self.n)
         ]
+
+    def request_fields(self) -> dict[str, Any]:
+        """GenerateRequest fields beside input, sampling and meta (tools, echo)."""
+        return {}
 
     def sampling(self, index: int, max_tokens: int | None, logprobs: int | None
                  ) -> common_pb2.SamplingParams:
@@ -121,6 +172,14 @@ class _Common(BaseModel):
             params.seed = (self.seed + index) & UINT64_MASK
         if logprobs is not None:
             params.logprobs = logprobs
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                setattr(params, name, getattr(self, name))
+        for token, bias in (self.logit_bias or {}).items():
+            params.logit_bias[int(token)] = bias
+        structured = self.structured()
+        if structured is not None:
+            params.structured.CopyFrom(structured)
         return params
 
 
@@ -149,8 +208,6 @@ class CompletionRequest(_Common):
 
     @model_validator(mode="after")
     def _completion_only(self) -> CompletionRequest:
-        if self.echo:
-            raise FieldError("echo", "not supported by pdserve")
         if self.suffix:
             raise FieldError("suffix", "not supported by pdserve")
         if self.best_of not in (None, self.n):
@@ -164,6 +221,16 @@ class CompletionRequest(_Common):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def request_fields(self) -> dict[str, Any]:
+        return {"echo": True} if self.echo else {}
+
+    def sampling(self, index: int, max_tokens: int | None, logprobs: int | None
+                 ) -> common_pb2.SamplingParams:
+        params = super().sampling(index, max_tokens, logprobs)
+        if self.echo and logprobs is not None:  # the prompt's tokens are scored too
+            params.prompt_logprobs = logprobs
+        return params
 
     def inputs(self) -> list[dict[str, Any]]:
         """One router ``input`` oneof per prompt (a list of prompts is a batch)."""
@@ -187,6 +254,9 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -211,7 +281,10 @@ class ChatMessage(BaseModel):
             content = "".join(part.text for part in content)
         # "developer" is OpenAI's newer name for the system role.
         role = "system" if self.role == "developer" else self.role
-        return router_pb2.ChatMessage(role=role, content=content or "")
+        return router_pb2.ChatMessage(
+            role=role, content=content or "",
+            tool_calls=[c.to_proto() for c in self.tool_calls or ()],
+            tool_call_id=self.tool_call_id or "", name=self.name or "")
 
 
 class ChatCompletionRequest(_Common):
@@ -221,17 +294,22 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    documents: list[dict[str, str]] | None = None  # vLLM's: for retrieval templates
 
     @model_validator(mode="after")
     def _chat_only(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs", "requires logprobs: true")
-        if self.tools:
-            raise FieldError("tools", "tool calling is not supported by pdserve")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise FieldError("response_format", "only type 'text' is supported")
+        names = [t.function.name for t in self.tools or ()]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            if self.tool_choice.function.name not in names:
+                raise FieldError("tool_choice", f"function {self.tool_choice.function.name!r} "
+                                 "is not one of the tools")
+        elif self.tool_choice == "required" and not names:
+            raise FieldError("tool_choice", "'required' needs tools")
         return self
 
     @property
@@ -243,5 +321,25 @@ class ChatCompletionRequest(_Common):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def calls_finish(self) -> bool:
+        """A choice that called tools finishes with "tool_calls" (not for a named function,
+        as OpenAI)."""
+        return bool(self.tools) and not isinstance(self.tool_choice, NamedToolChoice)
+
+    def request_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        if self.tools:
+            fields["tools"] = [t.to_proto() for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            fields["tool_choice"] = router_pb2.ToolChoice(function=self.tool_choice.function.name)
+        elif self.tool_choice is not None:
+            fields["tool_choice"] = router_pb2.ToolChoice(mode=self.tool_choice)
+        if self.parallel_tool_calls is not None:
+            fields["parallel_tool_calls"] = self.parallel_tool_calls
+        return fields
+
     def inputs(self) -> list[dict[str, Any]]:
-        return [{"chat": router_pb2.ChatMessages(messages=[m.to_proto() for m in self.messages])}]
+        documents = [router_pb2.Document(fields=d) for d in self.documents or ()]
+        return [{"chat": router_pb2.ChatMessages(messages=[m.to_proto() for m in self.messages],
+                                                 documents=documents)}]

@@ -21,6 +21,7 @@ from opentelemetry import propagate, trace
 from pydantic import ValidationError
 
 from pdserve.log import fields
+from pdserve.proto.v1 import router_pb2
 from pdserve.telemetry import outbound_metadata
 from services.gateway import responses as shapes
 from services.gateway.auth import CacheSalter, KeyStore
@@ -31,6 +32,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.router_client import RouterClient
 from services.gateway.schema import ChatCompletionRequest, CompletionRequest
 from services.gateway.sse import SSE_HEADERS, ClientGone, SSEResponse, cancel_on_disconnect
+from services.gateway.tokens import DetokenizeRequest, TokenizeRequest, tokenize_body
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("pdserve.gateway")
@@ -112,6 +114,7 @@ class Gateway:
         chat = isinstance(req, ChatCompletionRequest)
         rid = ("chatcmpl-" if chat else "cmpl-") + os.urandom(12).hex()
         model = await self._router_model(req.model)
+        shown = req.model or await self.client.default_model()  # the response's "model"
         trace.get_current_span().set_attribute("pdserve.request_id", rid)
         if not self.keys.enabled:
             tenant = req.user or ""  # no keys: the caller says who it is (no isolation)
@@ -124,13 +127,14 @@ class Gateway:
             with cancel_on_disconnect(request.receive):
                 await gen.start()
                 if not req.stream:
-                    choices = await collect(gen, num_choices)
+                    choices = await collect(gen, num_choices, req.calls_finish)
             if req.stream:
-                writer = shapes.ChunkWriter(rid, created, req.model, chat, req.include_usage,
+                writer = shapes.ChunkWriter(rid, created, shown, chat, req.include_usage,
                                             logprobs)
                 end = _StreamEnd(self, gen, "chat" if chat else "completions", start,
                                  trace.get_current_span())
-                body = self._stream(gen, writer, num_choices, req.n, req.include_usage, end)
+                choices = [ChoiceOutput(req.calls_finish) for _ in range(num_choices)]
+                body = self._stream(gen, writer, choices, req.n, req.include_usage, end)
                 return SSEResponse(body, end, {**SSE_HEADERS, "x-request-id": rid})
         except BaseException:
             gen.cancel()
@@ -138,12 +142,13 @@ class Gateway:
         gen.cancel()
         self._account(gen, choices, req.n, "chat" if chat else "completions")
         build = shapes.chat_body if chat else shapes.completion_body
-        return Response(shapes.dumps(build(rid, created, req.model, choices, req.n, logprobs)),
+        return Response(shapes.dumps(build(rid, created, shown, choices, req.n, logprobs)),
                         media_type="application/json", headers={"x-request-id": rid})
 
-    async def _stream(self, gen: Generation, writer: shapes.ChunkWriter, num_choices: int, n: int,
-                      include_usage: bool, end: _StreamEnd) -> AsyncIterator[bytes]:
-        choices = [ChoiceOutput() for _ in range(num_choices)]
+    async def _stream(self, gen: Generation, writer: shapes.ChunkWriter,
+                      choices: list[ChoiceOutput], n: int, include_usage: bool, end: _StreamEnd
+                      ) -> AsyncIterator[bytes]:
+        num_choices = len(choices)
         # Final chunks wait for the end of the stream so that they, the usage and [DONE] leave
         # in one write: fewer sends per request on the hot path.
         tail: list[bytes] = []
@@ -193,11 +198,12 @@ class Gateway:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _router_model(self, name: str) -> str:
-        """``--model-name`` is an alias of the router's model; other names go through as is."""
+    async def _router_model(self, name: str | None) -> str:
+        """``--model-name`` is an alias of the router's model; other names go through as is;
+        none means the router's model (empty)."""
         if self.config.model_name and name == self.config.model_name:
             return await self.client.default_model()
-        return name
+        return name or ""
 
     def _rpc_error(self, exc: grpc.aio.AioRpcError) -> ApiError:
         self.metrics.router_errors.labels(exc.code().name).inc()
@@ -225,7 +231,8 @@ class Gateway:
             return error_response(self._rpc_error(exc))
         data = [{"id": (self.config.model_name if i == 0 and self.config.model_name else m.id),
                  "object": "model", "created": 0, "owned_by": "pdserve",
-                 "max_model_len": m.max_context} for i, m in enumerate(infos)]
+                 "root": m.root or m.id, "parent": None, "max_model_len": m.max_context}
+                for i, m in enumerate(infos)]
         if model_id is None:
             return Response(shapes.dumps({"object": "list", "data": data}),
                             media_type="application/json")
@@ -234,6 +241,29 @@ class Gateway:
             return error_response(ApiError(404, f"model: {model_id!r} is not served", param="model",
                                            code="model_not_found"))
         return Response(shapes.dumps(found), media_type="application/json")
+
+    async def tokens(self, request: Request, detokenize: bool) -> Response:
+        """``/tokenize`` or ``/detokenize`` through the router."""
+        try:
+            self.keys.tenant(request.headers.get("authorization"))
+            body = await self._body(request)
+            if detokenize:
+                dreq = DetokenizeRequest.model_validate_json(body)
+                reply = await self.client.detokenize(router_pb2.DetokenizeRequest(
+                    model=await self._router_model(dreq.model), token_ids=dreq.tokens),
+                    outbound_metadata())
+                out: dict[str, Any] = {"prompt": reply.text}
+            else:
+                treq = TokenizeRequest.model_validate_json(body)
+                out = tokenize_body(await self.client.tokenize(
+                    treq.to_proto(await self._router_model(treq.model)), outbound_metadata()))
+        except ValidationError as exc:
+            return error_response(from_validation(exc))
+        except ApiError as exc:
+            return error_response(exc)
+        except grpc.aio.AioRpcError as exc:
+            return error_response(self._rpc_error(exc))
+        return Response(shapes.dumps(out), media_type="application/json")
 
     async def health(self) -> Response:
         """Liveness: open without a key, so it names no address."""

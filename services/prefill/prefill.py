@@ -54,6 +54,7 @@ class PrefillResult:
     queue_ms: float = 0.0
     compute_ms: float = 0.0
     commit_ms: float = 0.0
+    prompt_logprobs: list[Logprob] | None = None
 
 
 @dataclass
@@ -68,7 +69,8 @@ async def run_prefill(inst: EngineInstance, job: PrefillJob, kvd_timeout: float)
     bs = inst.block_size
     hashes = hash_blocks(job.prompt, bs, inst.engine.fingerprint, job.cache_salt)
     commits = _Commits()
-    if inst.bridge is not None:
+    if inst.bridge is not None and job.params.prompt_logprobs is None:
+        # (Scoring the prompt computes all of it: nothing to load.)
         # The engine never takes the block holding the last prompt token from cache: its
         # logits must be computed.
         usable = hashes[: (len(job.prompt) - 1) // bs]
@@ -134,4 +136,5 @@ async def _finish(inst: EngineInstance, job: PrefillJob, final: RequestOutput, h
         blocks=[commits.done.get(h, Exported(h, 0)) for h in hashes],
         tail_token_ids=job.prompt[num_full * inst.block_size:],
         cached_tokens=final.num_prefix_hit_tokens,
-        finish_reason=final.finish_reason, text=final.text)
+        finish_reason=final.finish_reason, text=final.text,
+        prompt_logprobs=final.prompt_logprobs)

@@ -8,7 +8,7 @@ import uuid
 import grpc
 from opentelemetry import trace
 
-from pdserve.convert import finish_to_proto, logprobs_to_proto
+from pdserve.convert import finish_to_proto, logprobs_to_proto, prompt_logprobs_to_proto
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from pdserve.roles import Role
 from pdserve.rpc import rpc_handler
@@ -63,6 +63,9 @@ def _result_to_proto(result: PrefillResult, inst: EngineInstance,
         out.first_logprobs.CopyFrom(logprobs_to_proto(result.first_token_id,
                                                       result.first_logprob,
                                                       inst.engine.tokenizer))
+    if result.prompt_logprobs is not None:
+        out.prompt_logprobs.extend(prompt_logprobs_to_proto(job.prompt, result.prompt_logprobs,
+                                                            inst.engine.tokenizer))
     if inst.bridge is not None:
         out.source.CopyFrom(inst.bridge.endpoint)
     return out

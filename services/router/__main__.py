@@ -42,14 +42,14 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
                         check_timeout=min(1.0, max(0.2, config.poll_interval)))
     quotas = load_quotas(config.quotas_file) if config.quotas_file else {}
     return Router(
-        model=model or load_model_spec(config.model), pool=pool,
+        model=model or load_model_spec(config.model, config.served_model_name), pool=pool,
         index=IndexClient(index if index is not None else _redis_index(config),
                           config.index_timeout),
         policy=make_policy(config.policy), quotas=QuotaBook(quotas),
         block_size=config.block_size,
         limits=RouterLimits(config.max_prompt_tokens, config.max_tokens),
         max_concurrent=config.max_concurrent, max_retries=config.max_retries,
-        poll_interval=config.poll_interval)
+        poll_interval=config.poll_interval, tool_call_parser=config.tool_call_parser)
 
 
 async def create_server(config: RouterConfig, model: ModelSpec | None = None,

@@ -12,6 +12,7 @@ from pdserve.env import (
     BLOCK_SIZE,
     NAME,
     STR,
+    TOKENS,
     ConfigError,
     choice_kind,
     float_kind,
@@ -21,6 +22,7 @@ from pdserve.env import (
     setting,
 )
 from pdserve.server import GrpcServiceConfig
+from pdserve.tool_calls import PARSERS
 from services.router.policy import POLICIES
 from services.router.quotas import load_quotas
 
@@ -32,6 +34,11 @@ class RouterConfig(GrpcServiceConfig):
     port: int = port_setting(50051)
     redis_url: str = redis_url_setting()
     model: str = setting("tiny", NAME, "model (tokenizer, chat template) the cluster serves")
+    served_model_name: tuple[str, ...] = setting(
+        (), TOKENS, "names clients use for the model, comma-separated (default: --model)")
+    tool_call_parser: str = setting(
+        "auto", choice_kind("auto", *PARSERS),
+        "the model family's tool-call format (auto: read from the chat template)")
     policy: str = setting("cache_aware", choice_kind(*POLICIES), "routing policy")
     prefill: tuple[str, ...] = setting(
         (), ADDRESSES, "static prefill instances host:port (besides the registry)")

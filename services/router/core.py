@@ -1,7 +1,8 @@
 """Router core: the life cycle of one request.
 
     Generate(request)
-      1. prepare   validate, tokenize (chat through the template), resolve max_tokens
+      1. prepare   validate, tokenize (chat through the template, with tools), resolve
+                   max_tokens; tool_choice required/named -> sampling.structured
       2. admit     tenant quota (tokens + concurrency), the router's --max-concurrent
       3. look up   hash the prompt's full blocks; ONE index round trip -> node: blocks held
       4. place     policy.choose(query, healthy prefills, healthy decodes)
@@ -14,6 +15,8 @@
                    on another prefill instance, the first token kept, decoded once more;
                    fails after -> the client has the tokens so far, then UNAVAILABLE
       8. finish    final message carries finish_reason and usage; quota refunded
+    With tools, the relayed text is read for tool calls (``tools.with_tool_calls``); with echo
+    the first message carries the prompt's text (prompt logprobs ride on it from the engine).
     Colocated engines skip 5-6: their Decode prefills too. Every outbound call gets the
     deadline left on the client's; on client cancel, deadline or error the calls in flight are
     cancelled and Engine.Abort is sent best effort (the engine frees the request's blocks).
@@ -43,7 +46,8 @@ from services.router.model import ModelSpec
 from services.router.policy import Choice, RouteQuery, RoutingPolicy
 from services.router.prefix import IndexClient
 from services.router.quotas import QuotaBook, QuotaExceeded
-from services.router.requests import RouterLimits, prepare
+from services.router.requests import Prepared, RouterLimits, detokenize, prepare, tokenize
+from services.router.tools import with_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +101,7 @@ class Router:
     max_concurrent: int = 1024
     max_retries: int = 2
     poll_interval: float = 1.0
+    tool_call_parser: str = "auto"
     counters: RouterCounters = field(default_factory=RouterCounters)
     num_in_flight: int = 0
     _poll_task: asyncio.Task[None] | None = None
@@ -131,10 +136,8 @@ class Router:
         """Stream the answer to ``request``; raises ``StatusError`` for a status to return."""
         arrived = time.perf_counter()
         heavy = _is_heavy(request)  # tokenizing and hashing a long prompt must not stall the loop
-        if heavy:
-            prepared = await asyncio.to_thread(prepare, request, self.model, self.limits)
-        else:
-            prepared = prepare(request, self.model, self.limits)
+        todo = (request, self.model, self.limits, self.tool_call_parser)
+        prepared = await asyncio.to_thread(prepare, *todo) if heavy else prepare(*todo)
         tenant = prepared.meta.tenant
         cost = len(prepared.prompt_ids) + prepared.sampling.max_tokens
         if self.num_in_flight >= self.max_concurrent:
@@ -160,12 +163,23 @@ class Router:
             hashes = await asyncio.to_thread(hash_blocks, *args) if heavy else hash_blocks(*args)
             flow.query = RouteQuery(len(prepared.prompt_ids), self.block_size, len(hashes),
                                     await self.index.lookup(hashes))
+            messages = self._run(flow, group)
+            if prepared.tools is not None:
+                messages = with_tool_calls(messages, prepared.tools)
+            echo = prepared.prompt_text  # goes out once, with the first message
+            first_entry = self._first_prompt_entry(prepared)
             last = 0.0
-            async for message in self._run(flow, group):
+            async for message in messages:
                 if message.token_ids:
                     now = time.perf_counter()
                     (metrics.ITL if last else metrics.TTFT).observe(now - (last or arrived))
                     last = now
+                message.prompt_text, echo = echo, ""
+                if first_entry is not None:
+                    entries = [first_entry, *message.prompt_logprobs]
+                    message.ClearField("prompt_logprobs")
+                    message.prompt_logprobs.extend(entries)
+                    first_entry = None
                 yield message
             flow.is_finished = True
         finally:
@@ -178,6 +192,20 @@ class Router:
             if not flow.is_finished:
                 self._abort(flow)
             span.set_attribute("pdserve.completion_tokens", flow.num_tokens_sent)
+
+    def _first_prompt_entry(self, prepared: Prepared) -> common_pb2.PositionLogprobs | None:
+        """With prompt logprobs, the first prompt token's entry: the engines score tokens
+        from the second on (nothing predicts the first)."""
+        if not prepared.sampling.HasField("prompt_logprobs"):
+            return None
+        token = prepared.prompt_ids[0]
+        entry = common_pb2.PositionLogprobs()
+        entry.sampled.token_id = token
+        if self.model.tokenizer is not None:
+            raw = self.model.tokenizer.token_bytes(token)
+            entry.sampled.token_bytes = raw
+            entry.sampled.token = raw.decode("utf-8", errors="replace")
+        return entry
 
     def _group(self) -> Group:
         """The healthy instances that can serve together: prefill and decode engines (else
@@ -253,9 +281,19 @@ class Router:
             await inst.engine.Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=1.0)
 
     def list_models(self) -> router_pb2.ListModelsResponse:
-        info = router_pb2.ModelInfo(id=self.model.name, max_context=self.model.max_context,
-                                    block_size=self.block_size)
-        return router_pb2.ListModelsResponse(models=[info])
+        """One entry per served name (the first is the default model)."""
+        return router_pb2.ListModelsResponse(models=[
+            router_pb2.ModelInfo(id=name, max_context=self.model.max_context,
+                                 block_size=self.block_size, root=self.model.name)
+            for name in self.model.names])
+
+    def tokenize(self, request: router_pb2.TokenizeRequest) -> router_pb2.TokenizeResponse:
+        return router_pb2.TokenizeResponse(token_ids=tokenize(request, self.model),
+                                           max_context=self.model.max_context)
+
+    def detokenize(self, request: router_pb2.DetokenizeRequest,
+                   ) -> router_pb2.DetokenizeResponse:
+        return router_pb2.DetokenizeResponse(text=detokenize(request, self.model))
 
     def cluster_state(self) -> router_pb2.ClusterStateResponse:
         out = router_pb2.ClusterStateResponse(

@@ -137,6 +137,7 @@ def _first_message(flow: Flow, response: engine_pb2.PrefillResponse,
                                           text=response.text, placement=flow.placement())
     if response.HasField("first_logprobs"):
         message.logprobs.append(response.first_logprobs)
+    message.prompt_logprobs.extend(response.prompt_logprobs)
     if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
         message.finish_reason = response.finish_reason
         message.usage.CopyFrom(flow.usage(response.cached_tokens))
@@ -243,7 +244,8 @@ async def _relay_one(flow: Flow, decode: Instance, first: router_pb2.GenerateRes
         async for chunk in call:
             message = router_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text,
                                                   logprobs=chunk.logprobs,
-                                                  finish_reason=chunk.finish_reason)
+                                                  finish_reason=chunk.finish_reason,
+                                                  prompt_logprobs=chunk.prompt_logprobs)
             if is_first:  # colocated: placement rides on the first message
                 message.placement.CopyFrom(flow.placement())
                 is_first = False

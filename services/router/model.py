@@ -16,18 +16,34 @@ from typing import Any, Protocol
 class TextTokenizer(Protocol):
     """The part of ``pdserve.tokenizer.Tokenizer`` the router uses."""
 
+    chat_template: str | None
+
+    @property
+    def vocab_size(self) -> int: ...
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                            add_generation_prompt: bool = True) -> str: ...
+                            add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            documents: Sequence[Mapping[str, Any]] | None = None) -> str: ...
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str
+    name: str  # what it was loaded from (a built-in name or a directory): ModelInfo.root
     fingerprint: str
     max_context: int
     tokenizer: TextTokenizer | None = None  # None: only prompt_token_ids are accepted
+    served_names: tuple[str, ...] = ()  # the ids clients use; none = ``name``
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.served_names or (self.name,)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -38,7 +54,7 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: max_context must be >= 1")
 
 
-def load_model_spec(name: str) -> ModelSpec:
+def load_model_spec(name: str, served_names: Sequence[str] = ()) -> ModelSpec:
     """Tokenizer, fingerprint and context of ``name`` (a built-in or a Hugging Face directory),
     without loading weights. The fingerprint recipe is ``pdserve.models``' own: a router
     hashing with another would never see a prefix hit."""
@@ -51,7 +67,7 @@ def load_model_spec(name: str) -> ModelSpec:
         cfg = builtin.hf_config(base)
         return ModelSpec(name=name, fingerprint=builtin.fingerprint(base, seed),
                          max_context=int(cfg["max_position_embeddings"]),
-                         tokenizer=files.builtin_tokenizer())
+                         tokenizer=files.builtin_tokenizer(), served_names=tuple(served_names))
     path = Path(name)
     if not (path / "config.json").is_file():
         raise ValueError(f"--model: {name!r} is neither a built-in "
@@ -66,4 +82,4 @@ def load_model_spec(name: str) -> ModelSpec:
     cfg = json.loads(config_text)
     return ModelSpec(name=name, fingerprint=fingerprint,
                      max_context=int(cfg.get("max_position_embeddings") or 2048),
-                     tokenizer=tokenizer)
+                     tokenizer=tokenizer, served_names=tuple(served_names))

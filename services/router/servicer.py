@@ -34,6 +34,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                          context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
         return self.router.list_models()
 
+    @rpc_handler("Tokenize")
+    async def Tokenize(self, request: router_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> router_pb2.TokenizeResponse:
+        return self.router.tokenize(request)
+
+    @rpc_handler("Detokenize")
+    async def Detokenize(self, request: router_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> router_pb2.DetokenizeResponse:
+        return self.router.detokenize(request)
+
     @rpc_handler("ClusterState")
     async def ClusterState(self, request: router_pb2.ClusterStateRequest,
                            context: grpc.aio.ServicerContext) -> router_pb2.ClusterStateResponse:

@@ -204,7 +204,7 @@ def test_unknown_model_is_not_found(client: Client) -> None:
 
 
 def test_models_and_cluster_state(client: Client) -> None:
-    assert client.models() == [Model("tiny", client.models()[0].max_context, 16)]
+    assert client.models() == [Model("tiny", client.models()[0].max_context, 16, "tiny")]
     state = client.cluster_state()
     roles = sorted(i.role for i in state.instances)
     assert roles == [common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE]

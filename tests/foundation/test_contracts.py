@@ -51,7 +51,7 @@ def test_lint_and_breaking_pass_on_the_repo(buf: str) -> None:
 @pytest.mark.parametrize(("name", "old", "new", "reported"), [
     (COMMON, "uint32 max_tokens = 1;", "uint32 max_new_tokens = 1;",
      'Field "1" on message "SamplingParams" changed name from "max_tokens" to "max_new_tokens"'),
-    (COMMON, "optional float temperature = 2;", "optional float temperature = 12;",
+    (COMMON, "optional float temperature = 2;", "optional float temperature = 42;",
      'Previously present field "2" with name "temperature" on message "SamplingParams" was '
      "deleted"),
     (COMMON, "optional int32 top_k = 4;", "optional int64 top_k = 4;",
@@ -75,8 +75,8 @@ def test_breaking_fails_on_an_incompatible_change(buf: str, tmp_path: Path, name
 def test_breaking_accepts_a_compatible_addition(buf: str, tmp_path: Path) -> None:
     root = _copy(tmp_path)
     _edit(root, COMMON, "  optional uint32 logprobs = 10;\n",
-          "  optional uint32 logprobs = 10;\n  // Penalize repeated tokens (> 0).\n"
-          "  optional float repetition_penalty = 11;\n")
+          "  optional uint32 logprobs = 10;\n  // Locally typical sampling mass in (0, 1].\n"
+          "  optional float typical_p = 41;\n")
     result = _run(buf, root, "breaking", "--against", str(BASELINE))
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -65,7 +65,8 @@ async def test_reflection_lists_and_describes(svc: Service, version: str) -> Non
             fdp = descriptor_pb2.FileDescriptorProto.FromString(raw)
             described[fdp.package if fdp.service else fdp.name] = fdp
     router = described["pdserve.v1"].service[0]
-    assert [m.name for m in router.method] == ["Generate", "ListModels", "ClusterState"]
+    assert [m.name for m in router.method] == ["Generate", "ListModels", "ClusterState",
+                                                "Tokenize", "Detokenize"]
     itself = described[f"grpc.reflection.{version}"].service[0]
     assert [m.input_type for m in itself.method] == [
         f".grpc.reflection.{version}.ServerReflectionRequest"]

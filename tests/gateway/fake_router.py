@@ -9,8 +9,10 @@ The prompt (or a chat's last message) picks the script:
     "abort"     one token, then finish_reason ABORT
     "hang"      placement and one token, then waits until cancelled (recorded in ``cancelled``)
     "hangfirst" waits until cancelled before sending anything
+    "toolcall"  some text, then a get_weather call in two deltas, then STOP
     anything    the reply REPLY one token a message, honouring max_tokens, stop and seed
 
+With ``echo`` the first message carries the prompt's text (and two prompt logprobs when asked).
 Errors go out as the real router's do (``pdserve.errors``). Unknown models get NOT_FOUND.
 Every request is recorded in ``requests``.
 """
@@ -62,7 +64,7 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         self.requests.append(req)
         self.metadata.append({k: v for k, v in context.invocation_metadata() or ()
                               if isinstance(v, str)})
-        if req.model != MODEL:
+        if req.model not in ("", MODEL):
             await abort_with(context, StatusError(grpc.StatusCode.NOT_FOUND,
                                                   f"model: {req.model!r} is not served"))
         text = prompt_text(req)
@@ -78,7 +80,16 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
             await self._wait_cancelled(req)
         placement = router_pb2.Placement(prefill_instance="p0", decode_instance="d0",
                                          prompt_tokens=prompt_len(req))
-        yield router_pb2.GenerateResponse(placement=placement)
+        first = router_pb2.GenerateResponse(placement=placement)
+        if req.echo:
+            first.prompt_text = text
+            if req.sampling.HasField("prompt_logprobs"):
+                first.prompt_logprobs.extend(_prompt_logprobs(text))
+        yield first
+        if text == "toolcall":
+            for msg in _tool_call():
+                yield msg
+            return
         if text in ("midfail", "abort", "hang"):
             yield self._token(req, 0, REPLY[0])
             if text == "midfail":
@@ -144,3 +155,26 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
             msg.logprobs.append(common_pb2.PositionLogprobs(sampled=sampled,
                                                             top=top[: req.sampling.logprobs]))
         return msg
+
+
+def _prompt_logprobs(text: str) -> list[common_pb2.PositionLogprobs]:
+    """Two prompt tokens: the first unscored (logprob 0, no alternatives), then one scored."""
+    head, tail = text[:1], text[1:]
+    first = common_pb2.PositionLogprobs(sampled=common_pb2.TokenLogprob(
+        token_id=7, token=head, token_bytes=head.encode()))
+    scored = common_pb2.TokenLogprob(token_id=8, logprob=-1.5, token=tail,
+                                     token_bytes=tail.encode())
+    alt = common_pb2.TokenLogprob(token_id=9, logprob=-0.5, token="alt", token_bytes=b"alt")
+    return [first, common_pb2.PositionLogprobs(sampled=scored, top=[alt])]
+
+
+def _tool_call() -> list[router_pb2.GenerateResponse]:
+    return [
+        router_pb2.GenerateResponse(token_ids=[1, 2], text="Let me check."),
+        router_pb2.GenerateResponse(token_ids=[3, 4], tool_calls=[router_pb2.ToolCallDelta(
+            index=0, id="call_abc", name="get_weather", arguments='{"city": ')]),
+        router_pb2.GenerateResponse(
+            token_ids=[5], tool_calls=[router_pb2.ToolCallDelta(index=0, arguments='"Oslo"}')],
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+            usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=5)),
+    ]

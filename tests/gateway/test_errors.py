@@ -24,6 +24,9 @@ def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
     return dict(body["error"])
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize(("path", "body", "param", "needle"), [
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", ">= 0"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
@@ -34,10 +37,28 @@ def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
     ("/v1/completions", {"prompt": []}, "prompt", "empty"),
     ("/v1/completions", {"prompt": [-1]}, "prompt", "0..2^32-1"),
     ("/v1/completions", {}, "prompt", "required"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop", "must not be empty"),
     ("/v1/completions", {"prompt": "x", "n": 9}, "n", "exceeds the limit of 8"),
-    ("/v1/completions", {"prompt": "x", "frequency_penalty": 1}, "frequency_penalty", "not"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty",
+     "must be <= 2.0, got 2.5"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": -3}, "presence_penalty",
+     "must be >= -2.0, got -3"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty",
+     "must be > 0.0, got 0"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias",
+     "keys must be token ids (as strings), got 'abc'"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias",
+     "biases must be in [-100, 100], got 101.0 for 5"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema"}},
+     "response_format.json_schema", "is required with type json_schema"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}},
+     "response_format.type", "'text', 'json_object' or 'json_schema'"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"},
+                         "guided_regex": "a+"}, "guided_regex",
+     "cannot be combined with response_format"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": []}, "guided_choice",
+     "at least 1 item"),
     ("/v1/chat/completions", {}, "messages", "required"),
     ("/v1/chat/completions", {"messages": []}, "messages", "at least 1 item"),
     ("/v1/chat/completions",
@@ -51,7 +72,15 @@ def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
      "requires logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -5},
      "max_completion_tokens", ">= 1"),
-    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools", ""),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]},
+     "tools[0].function", "is required"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice",
+     "'required' needs tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "other"}}}, "tool_choice",
+     "function 'other' is not one of the tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "sometimes"}, "tool_choice",
+     "of an accepted type"),
     ("/v1/chat/completions", {"messages": CHAT, "model": ""}, "model", "must not be empty"),
 ])
 def test_bad_params_name_the_field(http: httpx.Client, path: str, body: dict[str, Any],

@@ -6,7 +6,7 @@ A stream is cancelled on the server when it is closed: ``await stream.aclose()``
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Unpack
 
 import grpc
@@ -14,7 +14,13 @@ import grpc
 from pdserve.client.base import DEFAULT_TARGET, DEFAULT_TIMEOUT, Metadata, Settings, Timeout
 from pdserve.client.channel import TLS, Retry
 from pdserve.client.errors import error_from
-from pdserve.client.request import GenerateParams, Message, build_request
+from pdserve.client.request import (
+    GenerateParams,
+    Message,
+    ToolArg,
+    build_request,
+    build_tokenize_request,
+)
 from pdserve.client.types import Chunk, Completion, Model, models_from
 from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 
@@ -98,9 +104,11 @@ class AsyncClient:
     def chat(self, messages: Sequence[Message], *, model: str | None = None,
              timeout: Timeout = ..., metadata: Metadata | None = None,
              credentials: grpc.CallCredentials | None = None,
+             documents: Sequence[Mapping[str, str]] | None = None,
              **params: Unpack[GenerateParams]) -> AsyncGenerateStream:
         """As ``Client.chat``."""
-        request = build_request(self._model(model), messages=messages, params=params)
+        request = build_request(self._model(model), messages=messages, params=params,
+                                documents=documents)
         return self._generate(request, timeout, metadata, credentials)
 
     async def models(self, *, timeout: Timeout = ..., metadata: Metadata | None = None,
@@ -111,6 +119,34 @@ class AsyncClient:
                                                            **kwargs))
         except grpc.RpcError as exc:
             raise error_from(exc) from exc
+
+    async def tokenize(self, prompt: str | None = None, *,
+                 messages: Sequence[Message] | None = None, model: str | None = None,
+                 add_special_tokens: bool = True, add_generation_prompt: bool = True,
+                 tools: Sequence[ToolArg] = (), timeout: Timeout = ...,
+                 metadata: Metadata | None = None,
+                 credentials: grpc.CallCredentials | None = None) -> list[int]:
+        """The token ids ``generate`` (a prompt) or ``chat`` (messages) would send."""
+        request = build_tokenize_request(self._model(model), prompt, messages,
+                                         add_special_tokens, add_generation_prompt, tools)
+        kwargs = self.settings.call_kwargs(timeout, metadata, credentials)
+        try:
+            reply = await self._stub.Tokenize(request, **kwargs)
+        except grpc.RpcError as exc:
+            raise error_from(exc) from exc
+        return list(reply.token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], *, model: str | None = None,
+                   timeout: Timeout = ..., metadata: Metadata | None = None,
+                   credentials: grpc.CallCredentials | None = None) -> str:
+        """The text of ``token_ids`` (special tokens included)."""
+        request = router_pb2.DetokenizeRequest(model=self._model(model), token_ids=token_ids)
+        kwargs = self.settings.call_kwargs(timeout, metadata, credentials)
+        try:
+            reply = await self._stub.Detokenize(request, **kwargs)
+        except grpc.RpcError as exc:
+            raise error_from(exc) from exc
+        return str(reply.text)
 
     async def cluster_state(self, *, timeout: Timeout = ..., metadata: Metadata | None = None,
                             credentials: grpc.CallCredentials | None = None

@@ -7,7 +7,7 @@ unfinished (``for chunk in client.generate(...): break``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Unpack
 
 import grpc
@@ -15,7 +15,13 @@ import grpc
 from pdserve.client.base import DEFAULT_TARGET, DEFAULT_TIMEOUT, Metadata, Settings, Timeout
 from pdserve.client.channel import TLS, Retry
 from pdserve.client.errors import error_from
-from pdserve.client.request import GenerateParams, Message, build_request
+from pdserve.client.request import (
+    GenerateParams,
+    Message,
+    ToolArg,
+    build_request,
+    build_tokenize_request,
+)
 from pdserve.client.types import Chunk, Completion, Model, models_from
 from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 
@@ -98,10 +104,12 @@ class Client:
     def chat(self, messages: Sequence[Message], *, model: str | None = None,
              timeout: Timeout = ..., metadata: Metadata | None = None,
              credentials: grpc.CallCredentials | None = None,
+             documents: Sequence[Mapping[str, str]] | None = None,
              **params: Unpack[GenerateParams]) -> GenerateStream:
         """Answer chat ``messages`` (``{"role": ..., "content": ...}``), rendered with the
-        model's chat template by the router."""
-        request = build_request(self._model(model), messages=messages, params=params)
+        model's chat template by the router (with ``tools`` and ``documents``)."""
+        request = build_request(self._model(model), messages=messages, params=params,
+                                documents=documents)
         return self._generate(request, timeout, metadata, credentials)
 
     def models(self, *, timeout: Timeout = ..., metadata: Metadata | None = None,
@@ -112,6 +120,34 @@ class Client:
             return models_from(self._stub.ListModels(router_pb2.ListModelsRequest(), **kwargs))
         except grpc.RpcError as exc:
             raise error_from(exc) from exc
+
+    def tokenize(self, prompt: str | None = None, *,
+                 messages: Sequence[Message] | None = None, model: str | None = None,
+                 add_special_tokens: bool = True, add_generation_prompt: bool = True,
+                 tools: Sequence[ToolArg] = (), timeout: Timeout = ...,
+                 metadata: Metadata | None = None,
+                 credentials: grpc.CallCredentials | None = None) -> list[int]:
+        """The token ids ``generate`` (a prompt) or ``chat`` (messages) would send."""
+        request = build_tokenize_request(self._model(model), prompt, messages,
+                                         add_special_tokens, add_generation_prompt, tools)
+        kwargs = self.settings.call_kwargs(timeout, metadata, credentials)
+        try:
+            reply = self._stub.Tokenize(request, **kwargs)
+        except grpc.RpcError as exc:
+            raise error_from(exc) from exc
+        return list(reply.token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], *, model: str | None = None,
+                   timeout: Timeout = ..., metadata: Metadata | None = None,
+                   credentials: grpc.CallCredentials | None = None) -> str:
+        """The text of ``token_ids`` (special tokens included)."""
+        request = router_pb2.DetokenizeRequest(model=self._model(model), token_ids=token_ids)
+        kwargs = self.settings.call_kwargs(timeout, metadata, credentials)
+        try:
+            reply = self._stub.Detokenize(request, **kwargs)
+        except grpc.RpcError as exc:
+            raise error_from(exc) from exc
+        return str(reply.text)
 
     def cluster_state(self, *, timeout: Timeout = ..., metadata: Metadata | None = None,
                       credentials: grpc.CallCredentials | None = None

@@ -48,6 +48,24 @@ class PositionLogprobs:
 
 
 @dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a tool call: the first piece of a call has its id and name; arguments come
+    in pieces to concatenate per index."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(frozen=True)
 class Chunk:
     """New tokens and text; the last chunk carries ``finish_reason`` and ``usage``."""
 
@@ -56,6 +74,7 @@ class Chunk:
     logprobs: tuple[PositionLogprobs, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     usage: Usage | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +82,7 @@ class Model:
     id: str
     max_context: int
     block_size: int
+    root: str = ""  # what the model was loaded from (several ids may share it)
 
 
 @dataclass
@@ -75,6 +95,10 @@ class Completion:
     finish_reason: str | None = None
     usage: Usage | None = None
     placement: Placement | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    prompt_text: str = ""  # with echo
+    # With prompt_logprobs: one per prompt token; the first (nothing scores it) has logprob 0.
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
 
     def add(self, msg: router_pb2.GenerateResponse) -> Chunk | None:
         """Account for one router message; the chunk it is, or None for the placement-only
@@ -88,7 +112,14 @@ class Completion:
         if msg.HasField("usage"):
             u = msg.usage
             usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
-        if not msg.token_ids and not msg.text and finish is None and usage is None:
+        self.prompt_text += msg.prompt_text
+        self.prompt_logprobs += [_logprobs(lp) for lp in msg.prompt_logprobs]
+        calls = tuple(ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in msg.tool_calls)
+        for d in calls:
+            if d.index >= len(self.tool_calls):
+                self.tool_calls.append(ToolCall(d.id, d.name, ""))
+            self.tool_calls[d.index].arguments += d.arguments
+        if not (msg.token_ids or msg.text or calls) and finish is None and usage is None:
             return None
         logprobs = tuple(_logprobs(lp) for lp in msg.logprobs)
         self.text += msg.text
@@ -96,7 +127,7 @@ class Completion:
         self.logprobs += logprobs
         self.finish_reason = finish or self.finish_reason
         self.usage = usage or self.usage
-        return Chunk(tuple(msg.token_ids), msg.text, logprobs, finish, usage)
+        return Chunk(tuple(msg.token_ids), msg.text, logprobs, finish, usage, calls)
 
 
 def _logprobs(lp: common_pb2.PositionLogprobs) -> PositionLogprobs:
@@ -108,4 +139,4 @@ def _token(t: common_pb2.TokenLogprob) -> TokenLogprob:
 
 
 def models_from(reply: router_pb2.ListModelsResponse) -> list[Model]:
-    return [Model(m.id, m.max_context, m.block_size) for m in reply.models]
+    return [Model(m.id, m.max_context, m.block_size, m.root) for m in reply.models]

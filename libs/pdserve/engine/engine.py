@@ -20,7 +20,9 @@ import torch
 
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.guided import GuideFactory
 from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.logits_process import LogitsState, needs_processing
 from pdserve.engine.request import EngineStats, Request, RequestOutput, RequestStatus
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplerOutput
@@ -60,6 +62,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._pending: list[RequestOutput] = []  # abort notices, delivered by the next step
         self._counters = {"prefill": 0, "decode": 0}
+        self.guides = GuideFactory(lm.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
 
     @classmethod
     def from_model(cls, model: str, args: EngineArgs | None = None) -> Engine:
@@ -97,14 +100,25 @@ class Engine:
             replay = prompt_token_ids[len(prompt_token_ids) - prior_output:]
             detok = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
                                 replay=replay)
+        logits_state = self._logits_state(prompt_token_ids, params, prior_output)
         req = Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
             arrival=next(self._arrivals), max_len=max_len,
             eos_token_ids=self.eos_token_ids, priority=priority,
             cache_salt=cache_salt, prefill_only=prefill_only, hold=hold or prefill_only,
-            generator=gen, detok=detok)
+            generator=gen, detok=detok, logits_state=logits_state)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    def _logits_state(self, prompt: list[int], params: SamplingParams,
+                      prior_output: int) -> LogitsState | None:
+        """Grammar, bias and penalties, with the prior output replayed (the hand-off)."""
+        if not needs_processing(params):
+            return None
+        prior = prompt[len(prompt) - prior_output:]
+        guide = None if params.structured is None else self.guides.guide(params.structured,
+                                                                         prior)
+        return LogitsState(params, prompt, prior_output, guide)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if request_id in self.requests:
@@ -121,6 +135,10 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"prompt token ids must be in [0, {vocab}) (vocab_size); "
+                             f"got {bad[:5]}")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]  # type: ignore[misc]
+        if bad:
+            raise BadRequest(f"logit_bias: token ids must be < vocab_size {vocab}, "
                              f"got {bad[:5]}")
         max_len = min(len(prompt) + params.max_tokens, self.max_model_len)
         if self.kv.num_blocks_for(max_len) > self.kv.pool.num_blocks:
@@ -183,6 +201,11 @@ class Engine:
                 out.logprobs = None if logprob is None else [logprob]
                 if req.detok is not None:
                     req.detok.append(token)
+                if req.logits_state is not None:
+                    req.logits_state.accept(token)
+                if req.params.prompt_logprobs is not None and req.num_computed_tokens == (
+                        req.num_prompt_tokens):  # the first token: the prompt is all scored
+                    out.prompt_logprobs = list(req.prompt_logprobs)
                 reason = check_stop(req)
                 if reason is not None or req.prefill_only:
                     self._finish(req, reason, out)

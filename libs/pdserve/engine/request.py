@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from pdserve.engine.detokenizer import Detokenizer
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.logits_process import LogitsState
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +50,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # full blocks of token_ids
     finish_reason: str | None = None
     detok: Detokenizer | None = None  # the output's text (None: the model has no tokenizer)
+    logits_state: LogitsState | None = None  # grammar, bias, penalties (None: none asked)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # entry i: prompt token i + 1
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -101,6 +106,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_prefix_hit_tokens: int = 0
     text: str = ""
+    prompt_logprobs: list[Logprob] | None = None  # with the first token, when asked
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.kv_cache import KVCacheManager
+from pdserve.engine.prompt_logprobs import record_prompt_logprobs
 from pdserve.engine.sampler import Sampler, SamplerOutput
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.models.base import CausalLM
@@ -76,6 +77,8 @@ class ModelRunner:
         if batch.is_empty:
             return None
         hidden = self.forward(*self.prepare(batch))
+        if any(r.params.prompt_logprobs is not None for r in batch.reqs):
+            record_prompt_logprobs(self.model, hidden, batch)
         rows, reqs = [], []
         end = 0
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):

@@ -14,7 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.logits_process import process_logits
 from pdserve.engine.request import Logprob, Request
+
+# What a logprob of -inf (a token the grammar forbids) is reported as: JSON has no -inf.
+MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -33,7 +37,7 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        logits = logits.float()
+        logits = process_logits(logits.float(), reqs)  # grammar, logit_bias, penalties
         params = [r.params for r in reqs]
         greedy = logits.argmax(-1)
         tokens = greedy if all(p.is_greedy for p in params) else self._sample(logits, reqs, greedy)
@@ -80,7 +84,7 @@ class Sampler:
         wanted = [r.params.logprobs for r in reqs]
         if all(n is None for n in wanted):
             return [None] * len(reqs)
-        logprobs = logits.log_softmax(-1)
+        logprobs = logits.log_softmax(-1).clamp(min=MIN_LOGPROB)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
         max_n = max(n or 0 for n in wanted)
         top_vals, top_ids = logprobs.topk(max_n, -1) if max_n else (logprobs[:, :0],) * 2

@@ -125,7 +125,9 @@ class PrefillAdder:
                  decode: DecodeManager) -> int:
         while waiting and budget > 0 and len(decode.running) < self.max_num_seqs:
             req = waiting.peek()
-            hits = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else []
+            # Scoring the prompt (prompt_logprobs) needs every position's hidden state.
+            may_hit = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None
+            hits = self.kv.get_computed_blocks(req) if may_hit else []
             num_hit = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, hits) is None:
