@@ -1,0 +1,114 @@
+"""Per-instance capacity, calibrated from measurements by least squares (no baked-in constants).
+
+Two linear laws, each fitted from (x, seconds) points:
+
+    prefill   seconds(batch of T prompt tokens) = prefill_overhead_s + T / prefill_tokens_per_s
+    decode    seconds(one step of a batch of b)  = decode_base_s + decode_per_seq_s · b
+
+Points come from ``pdserve bench engine --json`` lines (prefill and decode tokens/s at each
+concurrency: ``from_bench_lines``) or from monitored engine ``Stats`` (``from_stats``: busy
+decode samples give (running, running / decode tokens/s), busy prefill samples their rate).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdserve.controller.monitor import Sample
+
+
+class CalibrationError(ValueError):
+    """The measurements cannot determine the model (too few or inconsistent points)."""
+
+
+@dataclass(frozen=True)
+class CapacityModel:
+    prefill_overhead_s: float
+    prefill_tokens_per_s: float
+    decode_base_s: float
+    decode_per_seq_s: float
+    max_batch: int = 64  # the engines' --max-num-seqs (a config value, not a fit)
+
+    def __post_init__(self) -> None:
+        if self.prefill_tokens_per_s <= 0 or self.decode_base_s <= 0:
+            raise CalibrationError(
+                f"capacity: prefill tokens/s ({self.prefill_tokens_per_s:.3g}) and decode base "
+                f"step time ({self.decode_base_s:.3g} s) must be > 0")
+        if self.prefill_overhead_s < 0 or self.decode_per_seq_s < 0 or self.max_batch < 1:
+            raise CalibrationError("capacity: overhead and per-sequence time must be >= 0 and "
+                                   "max_batch >= 1")
+
+    def prefill_time(self, num_tokens: float) -> float:
+        return self.prefill_overhead_s + num_tokens / self.prefill_tokens_per_s
+
+    def step_time(self, batch: float) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * batch
+
+
+def fit_line(points: Sequence[tuple[float, float]], what: str) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y = intercept + slope·x; intercept and slope are
+    clamped at 0 (a negative cost is noise). Needs two distinct x values."""
+    if len({x for x, _ in points}) < 2:
+        raise CalibrationError(f"{what}: need points at two or more distinct sizes to fit, got "
+                               f"{len(points)} point(s)")
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    (intercept, slope), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], 1), y, rcond=None)
+    if slope <= 0 and intercept <= 0:
+        raise CalibrationError(f"{what}: the measured times do not grow with size; check the "
+                               "measurements")
+    return max(0.0, float(intercept)), max(0.0, float(slope))
+
+
+def fit(prefill: Sequence[tuple[float, float]], decode: Sequence[tuple[float, float]],
+        max_batch: int) -> CapacityModel:
+    """``prefill``: (prompt tokens in a batch, seconds); ``decode``: (batch, step seconds)."""
+    overhead, per_token = fit_line(prefill, "prefill")
+    if per_token <= 0:
+        raise CalibrationError("prefill: the fitted time per token is 0; measure larger batches")
+    base, per_seq = fit_line(decode, "decode")
+    if base <= 0:
+        raise CalibrationError("decode: the fitted base step time is 0; measure batch size 1")
+    return CapacityModel(overhead, 1.0 / per_token, base, per_seq, max_batch)
+
+
+def from_bench_lines(lines: Iterable[str], prompt_len: int, max_batch: int) -> CapacityModel:
+    """Fit from ``pdserve bench engine --json`` output (one JSON object per concurrency;
+    ``prompt_len`` is the bench's ``--prompt-len``)."""
+    prefill, decode = [], []
+    for raw in lines:
+        if not raw.strip().startswith("{"):
+            continue  # the bench's table and banner lines
+        row = json.loads(raw)
+        try:
+            n, p_tps, d_tps = row["num_seqs"], row["pdserve_prefill_tps"], row["pdserve_decode_tps"]
+        except KeyError as exc:
+            raise CalibrationError(f"bench line lacks {exc.args[0]!r}: expected the output of "
+                                   "`pdserve bench engine --json`") from None
+        tokens = n * prompt_len
+        prefill.append((tokens, tokens / p_tps))
+        decode.append((n, n / d_tps))
+    return fit(prefill, decode, max_batch)
+
+
+def from_stats(samples: Iterable[Sample], max_batch: int) -> CapacityModel:
+    """Fit from monitored Stats: decode samples with a running batch give (batch, step time);
+    prefill samples with a queue (the engine was busy all window) give its throughput, whose
+    batch overhead Stats cannot separate (fitted as 0)."""
+    decode: list[tuple[float, float]] = []
+    rates: list[float] = []
+    for s in samples:
+        if s.role == "decode" and s.num_running > 0 and s.decode_tokens_per_s > 0:
+            decode.append((s.num_running, s.num_running / s.decode_tokens_per_s))
+        elif s.role == "prefill" and s.queue_depth > 0 and s.prefill_tokens_per_s > 0:
+            rates.append(s.prefill_tokens_per_s)
+    if not rates:
+        raise CalibrationError("prefill: no busy prefill sample (queue_depth > 0) to fit from")
+    base, per_seq = fit_line(decode, "decode")
+    if base <= 0:
+        raise CalibrationError("decode: the fitted base step time is 0; need small batches too")
+    return CapacityModel(0.0, float(np.mean(rates)), base, per_seq, max_batch)

@@ -1,0 +1,187 @@
+"""Ratio optimizer: for a predicted load, the (prefill, decode) split — or colocated — of N
+instances that serves the most requests per second within the TTFT and TPOT SLOs, from the
+calibrated ``CapacityModel``; and a ``Policy`` that adopts a new plan only past a margin and a
+minimum dwell time (hysteresis: it never flaps).
+
+Per-instance capacity under the SLOs (requests/s), each a closed form or a bisection:
+
+    prefill    the M/D/1 rate at which wait + service + KV transfer + one decode step ≤ TTFT
+    decode     b_max = the largest batch whose step time ≤ TPOT (≤ max_batch);
+               rate = b_max / (step(b_max) · output_len)            (Little's law)
+    colocated  chunked prefill rides in decode steps: prefill takes u = λ·L_in / r_p of the time,
+               TPOT = step(b) / (1 - u), b = λ·L_out·TPOT; TTFT = M/D/1 wait at u + the
+               prompt's chunks, each a step carrying ``chunk_tokens``
+
+A disaggregated split serves min(p·cap_prefill, d·cap_decode); colocated N·cap_colocated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pdserve.controller.capacity import CapacityModel
+from pdserve.controller.predictor import Load
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    tpot_s: float
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0:
+            raise ValueError(f"SLOs must be > 0 (ttft {self.ttft_s}, tpot {self.tpot_s})")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Colocated when ``num_prefill == num_decode == 0`` and ``num_colocated`` > 0."""
+
+    num_prefill: int
+    num_decode: int
+    num_colocated: int = 0
+
+    @property
+    def is_colocated(self) -> bool:
+        return self.num_colocated > 0
+
+    def __str__(self) -> str:
+        return f"colocated={self.num_colocated}" if self.is_colocated else \
+            f"p={self.num_prefill} d={self.num_decode}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the optimizer may arrange: ``num_instances`` engines and the cost of moving KV."""
+
+    num_instances: int
+    transfer_s_per_token: float = 0.0  # KV bytes per token / link bandwidth
+    chunk_tokens: int = 512  # colocated: prompt tokens a step carries (max_num_batched_tokens)
+    allow_colocated: bool = True
+
+
+def _mdl_wait(rho: float, service_s: float) -> float:
+    """Mean queueing delay of an M/D/1 queue (Pollaczek-Khinchine with zero variance)."""
+    return math.inf if rho >= 1 else rho * service_s / (2 * (1 - rho))
+
+
+def _max_rate(ok: object, hi: float) -> float:
+    """The largest rate in [0, hi] for which ``ok(rate)`` holds (monotone), by bisection."""
+    assert callable(ok)
+    if not ok(1e-9):
+        return 0.0
+    lo = 1e-9
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def prefill_capacity(m: CapacityModel, load: Load, slo: Slo, cluster: Cluster) -> float:
+    service = m.prefill_time(load.input_len)
+    fixed = service + cluster.transfer_s_per_token * load.input_len + m.step_time(1)
+    return _max_rate(lambda r: fixed + _mdl_wait(r * service, service) <= slo.ttft_s,
+                     1 / service)
+
+
+def decode_capacity(m: CapacityModel, load: Load, slo: Slo) -> float:
+    if m.decode_per_seq_s > 0:
+        b_max = min(m.max_batch, math.floor((slo.tpot_s - m.decode_base_s) / m.decode_per_seq_s))
+    else:
+        b_max = m.max_batch if m.decode_base_s <= slo.tpot_s else 0
+    if b_max < 1:
+        return 0.0
+    return b_max / (m.step_time(b_max) * max(1.0, load.output_len))
+
+
+def _colocated_ok(m: CapacityModel, load: Load, slo: Slo, chunk: int, rate: float) -> bool:
+    u = rate * load.input_len / m.prefill_tokens_per_s
+    if u >= 1:
+        return False
+    # b = rate·L_out·step(b)/(1-u) solved for b (linear in b)
+    k = rate * max(1.0, load.output_len) / (1 - u)
+    if k * m.decode_per_seq_s >= 1:
+        return False
+    batch = k * m.decode_base_s / (1 - k * m.decode_per_seq_s)
+    if batch > m.max_batch:
+        return False
+    step = m.step_time(batch)
+    num_chunks = max(1, math.ceil(load.input_len / chunk))
+    prompt = num_chunks * step + load.input_len / m.prefill_tokens_per_s
+    return step / (1 - u) <= slo.tpot_s and prompt + _mdl_wait(u, prompt) <= slo.ttft_s
+
+
+def colocated_capacity(m: CapacityModel, load: Load, slo: Slo, cluster: Cluster) -> float:
+    hi = m.prefill_tokens_per_s / max(1.0, load.input_len)
+    return _max_rate(lambda r: _colocated_ok(m, load, slo, cluster.chunk_tokens, r), hi)
+
+
+@dataclass(frozen=True)
+class Scored:
+    plan: Plan
+    capacity: float  # requests/s the plan serves within the SLOs
+
+
+def score(plan: Plan, m: CapacityModel, load: Load, slo: Slo, cluster: Cluster) -> Scored:
+    if plan.is_colocated:
+        return Scored(plan, plan.num_colocated * colocated_capacity(m, load, slo, cluster))
+    return Scored(plan, min(plan.num_prefill * prefill_capacity(m, load, slo, cluster),
+                            plan.num_decode * decode_capacity(m, load, slo)))
+
+
+def best_plan(m: CapacityModel, load: Load, slo: Slo, cluster: Cluster) -> Scored:
+    """The plan of the most capacity (ties: fewer prefill instances, then disaggregated)."""
+    n = cluster.num_instances
+    if n < 1:
+        raise ValueError(f"num_instances must be >= 1, got {n}")
+    p_cap, d_cap = prefill_capacity(m, load, slo, cluster), decode_capacity(m, load, slo)
+    best: Scored | None = None
+    for p in range(1, n):
+        s = Scored(Plan(p, n - p), min(p * p_cap, (n - p) * d_cap))
+        if best is None or s.capacity > best.capacity:
+            best = s
+    if cluster.allow_colocated or best is None:
+        colo = score(Plan(0, 0, n), m, load, slo, cluster)
+        if best is None or colo.capacity > best.capacity:
+            best = colo
+    return best
+
+
+@dataclass(frozen=True)
+class Decision:
+    plan: Plan
+    changed: bool
+    reason: str
+    load: Load
+    capacity: float  # of the plan kept or adopted, at this load
+
+
+class Policy:
+    """Adopts the optimizer's plan only when it serves ≥ (1 + margin)× the current plan's
+    capacity at the predicted load and the current plan has been kept ``min_dwell_s``."""
+
+    def __init__(self, initial: Plan, margin: float = 0.1, min_dwell_s: float = 30.0,
+                 now: float = 0.0) -> None:
+        if margin < 0 or min_dwell_s < 0:
+            raise ValueError("margin and min_dwell_s must be >= 0")
+        self.plan, self.margin, self.min_dwell_s = initial, margin, min_dwell_s
+        self.changed_at = now
+
+    def decide(self, now: float, m: CapacityModel, load: Load, slo: Slo,
+               cluster: Cluster) -> Decision:
+        current = score(self.plan, m, load, slo, cluster)
+        best = best_plan(m, load, slo, cluster)
+        what = (f"load {load.rate:.2f} req/s in {load.input_len:.0f}/{load.output_len:.0f} "
+                f"tokens: best {best.plan} serves {best.capacity:.2f}, {self.plan} serves "
+                f"{current.capacity:.2f}")
+        if best.plan == self.plan or load.rate <= 0:
+            return Decision(self.plan, False, f"hold: {what}", load, current.capacity)
+        if best.capacity < current.capacity * (1 + self.margin):
+            return Decision(self.plan, False, f"hold (within {self.margin:.0%} margin): {what}",
+                            load, current.capacity)
+        if now - self.changed_at < self.min_dwell_s:
+            return Decision(self.plan, False, f"hold (dwell {now - self.changed_at:.0f}s < "
+                            f"{self.min_dwell_s:.0f}s): {what}", load, current.capacity)
+        self.plan, self.changed_at = best.plan, now
+        return Decision(best.plan, True, f"switch: {what}", load, best.capacity)

@@ -1,0 +1,105 @@
+"""Ratio optimizer and policy: known capacities and loads → known best split; hysteresis and
+the minimum dwell time hold (table tests on pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.controller.capacity import CapacityModel
+from pdserve.controller.optimizer import (
+    Cluster,
+    Plan,
+    Policy,
+    Slo,
+    best_plan,
+    colocated_capacity,
+    decode_capacity,
+    prefill_capacity,
+    score,
+)
+from pdserve.controller.predictor import Load
+
+# 1000 prompt tokens/s, no batch overhead; decode steps 10 ms + 1 ms per sequence, ≤ 40 seqs.
+MODEL = CapacityModel(0.0, 1000.0, 0.010, 0.001, max_batch=40)
+SLO = Slo(ttft_s=1.0, tpot_s=0.050)
+CHAT = Load(rate=30, input_len=100, output_len=100)
+RAG = Load(rate=5, input_len=1000, output_len=10)
+LONG = Load(rate=2, input_len=100, output_len=1000)
+DISAGG_ONLY = Cluster(10, allow_colocated=False)
+
+
+def test_per_instance_capacities_by_hand() -> None:
+    # decode: b_max = (50-10)/1 = 40 → 40 seqs / (50 ms · 100 tokens) = 8 req/s
+    assert decode_capacity(MODEL, CHAT, SLO) == pytest.approx(8.0)
+    # prefill: S = 0.1 s, fixed 0.1 + step(1) 0.011; M/D/1 wait ρS/2(1-ρ) ≤ 0.889
+    # → ρ/(1-ρ) ≤ 17.78 → ρ = 0.94676 → 9.4676 req/s
+    assert prefill_capacity(MODEL, CHAT, SLO, DISAGG_ONLY) == pytest.approx(9.4676, rel=1e-3)
+    # a KV transfer of 1 ms/token adds 0.1 s to every TTFT: wait ≤ 0.789 → ρ = 0.9404
+    slow_link = Cluster(10, transfer_s_per_token=0.001)
+    assert prefill_capacity(MODEL, CHAT, SLO, slow_link) == pytest.approx(9.404, rel=1e-3)
+    # a TPOT SLO below one step of a single sequence: no decode capacity at all
+    assert decode_capacity(MODEL, CHAT, Slo(1.0, 0.005)) == 0.0
+
+
+@pytest.mark.parametrize(("load", "slo", "plan", "capacity"), [
+    (CHAT, SLO, Plan(5, 5), 40.0),  # min(5·9.47, 5·8)
+    (RAG, Slo(5.0, 0.050), Plan(9, 1), 7.998),  # prefill-bound: ρ = 0.8886 per instance
+    (LONG, SLO, Plan(1, 9), 7.2),  # decode-bound: 9 · 40/(0.05·1000)
+])
+def test_best_split_table(load: Load, slo: Slo, plan: Plan, capacity: float) -> None:
+    best = best_plan(MODEL, load, slo, DISAGG_ONLY)
+    assert best.plan == plan
+    assert best.capacity == pytest.approx(capacity, rel=1e-3)
+
+
+def test_colocated_wins_when_its_interference_fits_the_slo_and_loses_when_not() -> None:
+    loose = Slo(ttft_s=1.0, tpot_s=0.2)
+    assert best_plan(MODEL, CHAT, loose, Cluster(10)).plan == Plan(0, 0, 10)
+    # a tight TPOT: prefill chunks stretching decode steps cost colocated its capacity
+    tight = Slo(ttft_s=1.0, tpot_s=0.015)
+    assert colocated_capacity(MODEL, CHAT, tight, Cluster(10)) < \
+        decode_capacity(MODEL, CHAT, tight)
+    assert not best_plan(MODEL, CHAT, tight, Cluster(10)).plan.is_colocated
+
+
+def test_score_of_a_plan_and_bad_cluster() -> None:
+    assert score(Plan(2, 8), MODEL, CHAT, SLO, DISAGG_ONLY).capacity == \
+        pytest.approx(2 * 9.4676, rel=1e-3)
+    with pytest.raises(ValueError, match="num_instances must be >= 1"):
+        best_plan(MODEL, CHAT, SLO, Cluster(0))
+    with pytest.raises(ValueError, match="SLOs must be > 0"):
+        Slo(0, 1)
+
+
+def test_policy_switches_after_dwell_and_past_margin_only() -> None:
+    policy = Policy(Plan(5, 5), margin=0.1, min_dwell_s=30, now=0)
+    d = policy.decide(10, MODEL, RAG, Slo(5.0, 0.05), DISAGG_ONLY)
+    assert not d.changed and d.reason.startswith("hold (dwell 10s < 30s)")
+    d = policy.decide(31, MODEL, RAG, Slo(5.0, 0.05), DISAGG_ONLY)
+    assert d.changed and d.plan == Plan(9, 1) and d.reason.startswith("switch: ")
+    assert "best p=9 d=1" in d.reason
+    # the best plan for chat is p=5 d=5 (40 req/s) but p=9 d=1 serves 8: past the margin,
+    # yet within the dwell of the last switch
+    d = policy.decide(40, MODEL, CHAT, SLO, DISAGG_ONLY)
+    assert not d.changed and "dwell" in d.reason
+
+
+def test_policy_holds_within_the_margin() -> None:
+    # chat's best is p=5 d=5 (40); p=4 d=6 serves min(37.87, 48) = 37.87: 5.6% less
+    policy = Policy(Plan(4, 6), margin=0.1, min_dwell_s=0, now=0)
+    d = policy.decide(100, MODEL, CHAT, SLO, DISAGG_ONLY)
+    assert not d.changed and d.plan == Plan(4, 6) and "within 10% margin" in d.reason
+    d = Policy(Plan(4, 6), margin=0.05, min_dwell_s=0).decide(100, MODEL, CHAT, SLO, DISAGG_ONLY)
+    assert d.changed and d.plan == Plan(5, 5)
+
+
+def test_policy_never_flaps_under_an_alternating_load() -> None:
+    policy = Policy(Plan(5, 5), margin=0.1, min_dwell_s=30, now=0)
+    switches = []
+    for tick in range(120):  # the mix alternates every second for two minutes
+        load = RAG if tick % 2 else LONG
+        d = policy.decide(float(tick), MODEL, load, Slo(5.0, 0.05), DISAGG_ONLY)
+        if d.changed:
+            switches.append(tick)
+    assert len(switches) <= 120 // 30
+    assert all(b - a >= 30 for a, b in zip(switches, switches[1:], strict=False))

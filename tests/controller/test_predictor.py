@@ -1,0 +1,67 @@
+"""Workload predictor: Holt's trend forecast, bucketed rates, the sliding window (table tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.controller.predictor import Arrival, Load, WorkloadWindow, bucket_rates, holt
+
+
+@pytest.mark.parametrize(("series", "alpha", "beta", "horizon", "expected"), [
+    ([5.0, 5.0, 5.0, 5.0], 0.5, 0.3, 3, 5.0),  # flat stays flat
+    ([1.0, 2.0, 3.0, 4.0], 0.5, 0.3, 1, 5.0),  # an exact line is extrapolated exactly
+    ([1.0, 2.0, 3.0, 4.0], 0.5, 0.3, 4, 8.0),
+    ([10.0, 8.0, 6.0, 4.0], 1.0, 1.0, 10, 0.0),  # a falling rate never forecasts below zero
+    ([7.0], 0.5, 0.3, 5, 7.0),  # one point: no trend
+    ([0.0, 0.0, 0.0, 10.0], 1.0, 0.0, 2, 10.0),  # beta 0 keeps the first trend (0), alpha 1 jumps
+])
+def test_holt_table(series: list[float], alpha: float, beta: float, horizon: float,
+                    expected: float) -> None:
+    assert holt(series, alpha, beta, horizon) == pytest.approx(expected)
+
+
+def test_holt_follows_a_step_with_its_trend() -> None:
+    # A step up: the forecast overshoots the last value (the trend), unlike a plain EWMA.
+    assert holt([1, 1, 1, 5, 9], 0.8, 0.5, 1) > 9
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (([], 0.5, 0.3, 1), "the series is empty"),
+    (([1.0], 0.0, 0.3, 1), "alpha must be in (0, 1]"),
+    (([1.0], 0.5, 1.5, 1), "beta in [0, 1]"),
+])
+def test_holt_rejects_bad_input(args: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        holt(*args)
+
+
+def test_bucket_rates() -> None:
+    assert bucket_rates([0.1, 0.2, 1.5, 3.9, 4.0, -1], 0, 4, 2) == [1.5, 0.5]
+    with pytest.raises(ValueError, match="need end > start"):
+        bucket_rates([], 4, 4, 2)
+
+
+def test_window_mean_and_trim() -> None:
+    w = WorkloadWindow(window_s=10)
+    for i in range(20):  # one a second, prompts 100 then 300
+        w.add(Arrival(float(i), 100 if i < 10 else 300, 50))
+    load = w.current(now=19.5)  # arrivals 10..19 remain
+    assert load == Load(1.0, 300.0, 50.0)
+    assert w.current(now=100.0) == Load(0.0, 0.0, 0.0)
+
+
+def test_window_forecast_extrapolates_a_ramp_and_follows_the_mix() -> None:
+    w = WorkloadWindow(window_s=6, num_buckets=6, alpha=0.9, beta=0.9)
+    t = 0.0
+    for second in range(6):  # 1, 2, ... 6 arrivals per second
+        for k in range(second + 1):
+            w.add(Arrival(t + second + k / (second + 1), 100 if second < 3 else 900, 10 * second))
+    forecast = w.forecast(now=6.0, horizon_s=2.0)
+    assert forecast.rate > 6.5  # beyond the last bucket's 6/s
+    assert forecast.input_len == 900  # the recent half's mix
+    assert w.current(6.0).rate == pytest.approx(21 / 6)
+
+
+def test_window_rejects_a_bad_window() -> None:
+    with pytest.raises(ValueError, match="window_s must be > 0"):
+        WorkloadWindow(window_s=0)
