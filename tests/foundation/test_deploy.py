@@ -84,7 +84,7 @@ def test_every_pip_install_is_pinned() -> None:
             if word.startswith(("/tmp/requirements/", "/app", "https://")):
                 continue
             assert re.fullmatch(r"[\w.-]+==[\w.+]+", word), f"unpinned: {word!r} in {line!r}"
-    for name in ("runtime", "kvd", "engine", "gpu"):
+    for name in ("runtime", "kvd", "engine", "gpu", "controller"):
         for req in _requirements(name).values():
             assert len(req.specifier) == 1 and next(iter(req.specifier)).operator == "==", req
 
@@ -94,10 +94,11 @@ def test_requirements_cover_pyproject_exactly_once() -> None:
     requirement files (torch by the Dockerfile, per target), within the project's range."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {r.name.lower(): r for r in map(Requirement, project["dependencies"])}
-    gpu = project["optional-dependencies"]["gpu"]
-    declared |= {r.name.lower(): r for r in map(Requirement, gpu)}
+    for extra in ("gpu", "controller"):
+        declared |= {r.name.lower(): r for r in map(Requirement,
+                                                    project["optional-dependencies"][extra])}
     pinned: dict[str, Requirement] = {}
-    for name in ("runtime", "kvd", "engine", "gpu"):
+    for name in ("runtime", "kvd", "engine", "gpu", "controller"):
         for key, req in _requirements(name).items():
             assert key not in pinned, f"{key} pinned twice"
             pinned[key] = req
