@@ -1,0 +1,118 @@
+"""The control loop: monitor → predict → optimize → act, once per ``interval_s``.
+
+Each tick polls the engines' Stats, refits the capacity model from them when they determine
+it (else keeps the last model: the bench calibration it started from), forecasts the load
+``horizon_s`` ahead from the router's admitted requests, lets the ``Policy`` decide, and — only
+while this router holds the lease (or when there is no lease) — applies a changed plan. Every
+tick logs ``controller decision: p=2 d=1 reason=...`` and updates the metrics below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge
+
+from pdserve.controller.actuator import ActuationError, Actuator
+from pdserve.controller.capacity import CalibrationError, CapacityModel, from_stats
+from pdserve.controller.lease import RedisLease
+from pdserve.controller.monitor import ResourceMonitor
+from pdserve.controller.optimizer import Cluster, Decision, Policy, Slo
+from pdserve.controller.predictor import Arrival, WorkloadWindow
+
+log = logging.getLogger(__name__)
+
+PLAN_INSTANCES = Gauge("pdserve_controller_plan_instances", "Instances per role in the plan in "
+                       "force (prefill, decode, colocated)", ["role"])
+DECISIONS = Counter("pdserve_controller_decisions_total", "Controller ticks by outcome (switch, "
+                    "hold, not_leader, failed)", ["outcome"])
+PREDICTED_RATE = Gauge("pdserve_controller_predicted_rate", "Forecast arrival rate, requests/s")
+PLAN_CAPACITY = Gauge("pdserve_controller_plan_capacity", "Requests/s the plan in force serves "
+                      "within the SLOs at the forecast load (capacity model)")
+IS_LEADER = Gauge("pdserve_controller_leader", "1 while this controller holds the lease")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    interval_s: float = 10.0
+    horizon_s: float = 10.0
+    slo: Slo = Slo(2.0, 0.1)
+
+
+class Controller:
+    def __init__(self, monitor: ResourceMonitor, window: WorkloadWindow, model: CapacityModel,
+                 policy: Policy, cluster: Cluster, actuator: Actuator, config: LoopConfig,
+                 lease: RedisLease | None = None) -> None:
+        self.monitor, self.window, self.model = monitor, window, model
+        self.policy, self.cluster, self.actuator = policy, cluster, actuator
+        self.config, self.lease = config, lease
+        self._task: asyncio.Task[None] | None = None
+        self._publish_plan()
+
+    def observe(self, arrival: Arrival) -> None:
+        """The router reports each admitted request (prompt length, expected answer length;
+        ``arrival.t`` on ``time.monotonic()``)."""
+        self.window.add(arrival)
+
+    def _refit(self) -> None:
+        try:
+            self.model = from_stats(self.monitor.samples(), self.model.max_batch)
+        except CalibrationError:
+            pass  # the Stats of this window do not determine it: keep the last model
+
+    async def tick(self, now: float) -> Decision:
+        await self.monitor.poll()
+        self._refit()
+        load = self.window.forecast(now, self.config.horizon_s)
+        PREDICTED_RATE.set(load.rate)
+        leading = self.lease is None or self.lease.is_leader
+        IS_LEADER.set(1 if leading else 0)
+        if not leading:
+            DECISIONS.labels("not_leader").inc()
+            return Decision(self.policy.plan, False, "not the leader", load, 0.0)
+        before = self.policy.plan, self.policy.changed_at
+        decision = self.policy.decide(now, self.model, load, self.config.slo, self.cluster)
+        outcome = "switch" if decision.changed else "hold"
+        if decision.changed:
+            try:
+                await self.actuator.apply(decision.plan)
+            except ActuationError as exc:
+                self.policy.plan, self.policy.changed_at = before  # not in force: retry later
+                outcome = "failed"
+                decision = Decision(before[0], False, f"failed: {exc}", load, 0.0)
+        DECISIONS.labels(outcome).inc()
+        PLAN_CAPACITY.set(decision.capacity)
+        self._publish_plan()
+        log.info(f"controller decision: {decision.plan} reason={decision.reason}",
+                 extra={"fields": {"outcome": outcome, "rate": round(load.rate, 3)}})
+        return decision
+
+    def _publish_plan(self) -> None:
+        plan = self.policy.plan
+        PLAN_INSTANCES.labels("prefill").set(plan.num_prefill)
+        PLAN_INSTANCES.labels("decode").set(plan.num_decode)
+        PLAN_INSTANCES.labels("colocated").set(plan.num_colocated)
+
+    async def _run(self) -> None:
+        while True:
+            await self.tick(time.monotonic())  # the clock ``observe``'s arrivals use
+            await asyncio.sleep(self.config.interval_s)
+
+    def start(self) -> None:
+        if self.lease is not None:
+            self.lease.start()
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self.lease is not None:
+            await self.lease.stop()
