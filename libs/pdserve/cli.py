@@ -3,6 +3,7 @@
     pdserve up         the local stack (Redis, kvd, engines, router, gateway)
     pdserve generate   offline generation with the built-in or a local model
     pdserve bench X    benchmarks: engine, transfer, router, serve, compare, detok, cluster, all
+    pdserve sim        the P:D controller on a simulated cluster (the bench extra)
     pdserve <service>  one service: gateway, router, prefill, decode, kvd
     pdserve env        every PDSERVE_* variable and what it accepts
 """
@@ -23,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "prefill": "services.prefill.__main__:main",
     "decode": "services.decode.__main__:main",
     "kvd": "services.kvd.__main__:main",
+    "sim": "pdserve_bench.sim.cli:main",
 }
 # The optional ``bench`` extra (``pip install 'pdserve[bench]'``): these must all import.
 BENCH_EXTRA = ("pdserve_bench", "matplotlib", "httpx")

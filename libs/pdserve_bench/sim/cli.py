@@ -1,0 +1,116 @@
+"""``pdserve sim``: fixed P:D ratios, colocated and the controller on a simulated cluster.
+
+The per-instance costs come from a ``pdserve bench engine --json`` run (``--calibration``; by
+default the 2-core measurement docs/benchmarks.md reports, shipped beside this module), fitted
+by least squares into the controller's own capacity model. Prints a table, or JSON with
+``--json``; ``--plot trace.png`` draws the controller's decision trace (ratio vs load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pdserve.controller.capacity import CalibrationError, from_bench_lines
+from pdserve.controller.optimizer import Slo
+from pdserve_bench.sim import workload
+from pdserve_bench.sim.cluster import SimConfig
+from pdserve_bench.sim.evaluate import Evaluation, evaluate, shifting
+
+DEFAULT_CALIBRATION = Path(__file__).with_name("calibration-2core.jsonl")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--instances", type=int, nargs="+", default=[64], help="cluster sizes (8-512)")
+    add("--calibration", type=Path, default=DEFAULT_CALIBRATION,
+        help="`pdserve bench engine --json` output to fit the capacity model from")
+    add("--prompt-len", type=int, default=128, help="the bench's --prompt-len")
+    add("--max-batch", type=int, default=64, help="the engines' --max-num-seqs")
+    add("--phase-s", type=float, default=120.0, help="seconds of each phase")
+    add("--load", type=float, default=0.8,
+        help="each phase's rate as a fraction of its best split's modelled capacity")
+    add("--burst-cv", type=float, default=1.0, help="inter-arrival CV (1 Poisson, >1 bursty)")
+    add("--seed", type=int, default=1)
+    add("--ttft-slo", type=float, default=2.0, help="seconds")
+    add("--tpot-slo", type=float, default=0.1, help="seconds")
+    add("--link-gbps", type=float, default=10.0, help="KV link bandwidth, Gbit/s")
+    add("--block-mib", type=float, default=1.0, help="KV bytes of one block (all layers), MiB")
+    add("--switch-s", type=float, default=1.0, help="a flex role switch once drained")
+    add("--interval-s", type=float, default=10.0, help="controller tick")
+    add("--window-s", type=float, default=30.0, help="predictor window")
+    add("--horizon-s", type=float, default=10.0, help="forecast horizon")
+    add("--margin", type=float, default=0.1, help="hysteresis: the gain a switch needs")
+    add("--min-dwell-s", type=float, default=30.0, help="least time between switches")
+    add("--grid-steps", type=int, default=7, help="fixed ratios tried per cluster size")
+    add("--json", action="store_true", help="one JSON object per cluster size")
+    add("--plot", type=Path, default=None, help="PNG of the controller's decision trace")
+    return p
+
+
+def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if min(a.instances) < 2:
+        p.error("--instances: a disaggregated cluster needs at least 2 instances")
+    if not a.calibration.is_file():
+        p.error(f"--calibration {a.calibration}: no such file")
+    positive = ("phase_s", "load", "burst_cv", "ttft_slo", "tpot_slo", "link_gbps", "block_mib",
+                "interval_s", "window_s")
+    bad = [f"--{k.replace('_', '-')}" for k in positive if getattr(a, k) <= 0]
+    if bad:
+        p.error(f"{', '.join(bad)} must be > 0")
+
+
+def format_table(e: Evaluation, phases: list[str]) -> str:
+    head = (f"{'arrangement':<26} {'p':>4} {'d':>4} {'colo':>4} {'goodput':>8} "
+            + " ".join(f"{n:>7}" for n in phases)
+            + f" {'in SLO':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'sim s':>6}")
+    lines = [head]
+    for r in e.results:
+        def ms(v: float | None) -> str:
+            return f"{v * 1000:9.0f}" if v is not None else f"{'-':>9}"
+        lines.append(f"{r.name:<26} {r.num_prefill:>4} {r.num_decode:>4} {r.num_colocated:>4} "
+                     f"{r.goodput:>8.2f} " + " ".join(f"{g:>7.2f}" for g in r.phase_goodput)
+                     + f" {r.attainment:>7.1%} {ms(r.ttft_p50_s)} {ms(r.ttft_p99_s)} "
+                     f"{ms(r.tpot_p50_s)} {r.wall_s:>6.1f}")
+    ratio = e.to_json()["controller_vs_phase1_fixed"]
+    lines.append(f"controller / fixed best for phase 1: {ratio:.2f}x" if ratio else "")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    a = parser.parse_args(argv)
+    _check(parser, a)
+    try:
+        model = from_bench_lines(a.calibration.read_text().splitlines(), a.prompt_len,
+                                 a.max_batch)
+    except (CalibrationError, json.JSONDecodeError) as exc:
+        sys.stderr.write(f"pdserve sim: error: --calibration {a.calibration}: {exc}\n")
+        return 2
+    slo = Slo(a.ttft_slo, a.tpot_slo)
+    cfg = SimConfig(block_bytes=a.block_mib * (1 << 20), link_bytes_per_s=a.link_gbps * 1.25e8,
+                    switch_s=a.switch_s)
+    ctl = {"window_s": a.window_s, "horizon_s": a.horizon_s, "margin": a.margin,
+           "min_dwell_s": a.min_dwell_s}
+    for n in a.instances:
+        phases = shifting(model, slo, n, cfg, a.phase_s, a.load)
+        requests = workload.generate(phases, a.seed, a.burst_cv)
+        e = evaluate(n, phases, requests, model, cfg, slo, ctl, a.grid_steps, a.interval_s)
+        if a.json:
+            print(json.dumps(e.to_json()))
+        else:
+            print(f"{n} instances, {len(requests)} requests, phases "
+                  + ", ".join(f"{p.name} {p.rate:.1f}/s" for p in phases)
+                  + f"; SLO TTFT {a.ttft_slo}s TPOT {a.tpot_slo}s; goodput req/s")
+            print(format_table(e, [p.name for p in phases]))
+        if a.plot is not None:
+            from pdserve_bench.sim.plot import trace_plot
+
+            path = a.plot if len(a.instances) == 1 else a.plot.with_stem(f"{a.plot.stem}-{n}")
+            trace_plot(path, e)
+            print(f"decision trace: {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,260 @@
+"""The simulated cluster: a heapq event loop over arrivals, prefill batches, KV transfers,
+decode steps, role switches and controller ticks.
+
+    arrival ──router──► prefill instance (FIFO; a batch ≤ chunk tokens costs prefill_time)
+        first token at batch end ──KV transfer (blocks · block bytes / link)──► decode
+    decode instance: continuous batching ≤ max_batch; a step of b costs step_time(b); a
+        request that joined at step k finishes at step k + output_len - 1
+    colocated instance: each step carries up to ``chunk`` prompt tokens (step_time(b) +
+        chunk / prefill rate): prompts stall decodes, as chunked prefill does
+    flex instance switching role: no new work, finishes what it has, then ``switch_s``
+
+The router sends a prompt to the prefill (or colocated) instance with the fewest queued
+tokens and a prefilled request to the decode instance with the smallest batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.controller.capacity import CapacityModel
+from pdserve_bench.sim.workload import SimRequest
+
+ARRIVE, PREFILL_DONE, KV_DONE, STEP_DONE, SWITCH_DONE, TICK = range(6)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    chunk_tokens: int = 2048  # prompt tokens per prefill batch / colocated step
+    block_size: int = 16
+    block_bytes: float = 1 << 20  # KV bytes of one block (all layers)
+    link_bytes_per_s: float = 1.25e9  # 10 Gbit/s
+    switch_s: float = 1.0  # a flex engine's role switch once drained
+
+    def transfer_s(self, input_len: int) -> float:
+        return math.ceil(input_len / self.block_size) * self.block_bytes / self.link_bytes_per_s
+
+
+@dataclass(slots=True)
+class Req:
+    r: SimRequest
+    t_first: float = -1.0
+    t_done: float = -1.0
+    prefill_left: int = 0
+
+
+@dataclass(slots=True)
+class Inst:
+    idx: int
+    role: str  # prefill | decode | colocated
+    target: str = ""  # the role it is draining towards ("" = none)
+    queue: deque[Req] = field(default_factory=deque)
+    queued_tokens: int = 0
+    busy: bool = False
+    running: list[tuple[int, int, Req]] = field(default_factory=list)  # (finish step, rid, req)
+    waiting: deque[Req] = field(default_factory=deque)
+    k: int = 0
+
+    @property
+    def accepting(self) -> bool:
+        return not self.target
+
+    @property
+    def idle(self) -> bool:
+        return not (self.busy or self.queue or self.running or self.waiting)
+
+    @property
+    def planned_role(self) -> str:
+        return self.target or self.role
+
+
+class Sim:
+    def __init__(self, model: CapacityModel, config: SimConfig, roles: list[str],
+                 on_tick: Callable[[Sim, float], None] | None = None,
+                 tick_s: float = 10.0) -> None:
+        self.m, self.c = model, config
+        self.insts = [Inst(i, r) for i, r in enumerate(roles)]
+        self.on_tick, self.tick_s = on_tick, tick_s
+        self.on_arrival: Callable[[SimRequest], None] | None = None
+        self.events: list[tuple[float, int, int, object]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.done: list[Req] = []
+        self.backlog: dict[str, deque[Req]] = {"prefill": deque(), "decode": deque()}
+
+    def push(self, t: float, kind: int, obj: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, obj))
+
+    def run(self, requests: list[SimRequest], until: float) -> list[Req]:
+        arrivals = iter(requests)
+        first = next(arrivals, None)
+        if first is not None:
+            self.push(first.t, ARRIVE, (first, arrivals))
+        if self.on_tick is not None:
+            self.push(0.0, TICK, None)
+        handlers = {ARRIVE: self._arrive, PREFILL_DONE: self._prefill_done,
+                    KV_DONE: self._kv_done, STEP_DONE: self._step_done,
+                    SWITCH_DONE: self._switch_done, TICK: self._tick}
+        while self.events:
+            t, _, kind, obj = heapq.heappop(self.events)
+            if t > until:
+                break
+            self.now = t
+            handlers[kind](obj)
+        return self.done
+
+    # -- routing --------------------------------------------------------------------------
+
+    def _pick(self, role: str, load: Callable[[Inst], int]) -> Inst | None:
+        best = None
+        for inst in self.insts:
+            if inst.role == role and inst.accepting and (best is None or load(inst) < load(best)):
+                best = inst
+        return best
+
+    def _arrive(self, obj: object) -> None:
+        r, rest = obj  # type: ignore[misc]
+        nxt = next(rest, None)
+        if nxt is not None:
+            self.push(nxt.t, ARRIVE, (nxt, rest))
+        if self.on_arrival is not None:
+            self.on_arrival(r)
+        self._route_prompt(Req(r, prefill_left=r.input_len))
+
+    def _route_prompt(self, req: Req) -> None:
+        inst = self._pick("colocated", lambda i: i.queued_tokens + 64 * len(i.running)) or \
+            self._pick("prefill", lambda i: i.queued_tokens)
+        if inst is None:
+            self.backlog["prefill"].append(req)
+            return
+        inst.queue.append(req)
+        inst.queued_tokens += req.r.input_len
+        if not inst.busy:
+            self._start(inst)
+
+    def _kv_done(self, req: object) -> None:
+        assert isinstance(req, Req)
+        inst = self._pick("decode", lambda i: len(i.running) + len(i.waiting))
+        if inst is None:
+            self.backlog["decode"].append(req)
+            return
+        inst.waiting.append(req)
+        if not inst.busy:
+            self._start(inst)
+
+    # -- instances ------------------------------------------------------------------------
+
+    def _start(self, inst: Inst) -> None:
+        if inst.role == "prefill":
+            self._start_prefill(inst)
+        else:
+            self._start_step(inst)
+
+    def _start_prefill(self, inst: Inst) -> None:
+        batch, tokens = [], 0
+        while inst.queue and (not batch or tokens + inst.queue[0].r.input_len
+                              <= self.c.chunk_tokens):
+            req = inst.queue.popleft()
+            batch.append(req)
+            tokens += req.r.input_len
+        inst.queued_tokens -= tokens
+        if not batch:
+            inst.busy = False
+            self._maybe_switch(inst)
+            return
+        inst.busy = True
+        self.push(self.now + self.m.prefill_time(tokens), PREFILL_DONE, (inst, batch))
+
+    def _prefill_done(self, obj: object) -> None:
+        inst, batch = obj  # type: ignore[misc]
+        for req in batch:
+            req.t_first = self.now
+            self.push(self.now + self.c.transfer_s(req.r.input_len), KV_DONE, req)
+        self._start_prefill(inst)
+
+    def _admit(self, inst: Inst) -> None:
+        while inst.waiting and len(inst.running) < self.m.max_batch:
+            req = inst.waiting.popleft()
+            if req.r.output_len <= 1:
+                self._finish(req)
+                continue
+            heapq.heappush(inst.running, (inst.k + req.r.output_len - 1, req.r.rid, req))
+
+    def _start_step(self, inst: Inst) -> None:
+        self._admit(inst)
+        chunk = 0
+        if inst.role == "colocated":
+            chunk = self._take_chunk(inst)
+        if not inst.running and chunk == 0:
+            inst.busy = False
+            self._maybe_switch(inst)
+            return
+        inst.busy = True
+        dur = self.m.step_time(len(inst.running)) + chunk / self.m.prefill_tokens_per_s
+        self.push(self.now + dur, STEP_DONE, inst)
+
+    def _take_chunk(self, inst: Inst) -> int:
+        """Colocated: the prompt tokens this step computes (while the batch has room)."""
+        budget = self.c.chunk_tokens
+        room = self.m.max_batch - len(inst.running) - len(inst.waiting)
+        taken = 0
+        for req in inst.queue:
+            if budget == 0 or room <= 0:
+                break
+            n = min(budget, req.prefill_left)
+            req.prefill_left -= n
+            budget -= n
+            taken += n
+            room -= req.prefill_left == 0
+        inst.queued_tokens -= taken
+        return taken
+
+    def _step_done(self, inst: object) -> None:
+        assert isinstance(inst, Inst)
+        inst.k += 1
+        while inst.running and inst.running[0][0] <= inst.k:
+            self._finish(heapq.heappop(inst.running)[2])
+        while inst.queue and inst.queue[0].prefill_left == 0:  # colocated prompts done
+            req = inst.queue.popleft()
+            req.t_first = self.now
+            inst.waiting.append(req)
+        self._start_step(inst)
+
+    def _finish(self, req: Req) -> None:
+        req.t_done = self.now
+        self.done.append(req)
+
+    # -- role switches (flex) -------------------------------------------------------------
+
+    def switch(self, inst: Inst, role: str) -> None:
+        """Drain ``inst`` towards ``role`` (the controller's actuator in the simulation)."""
+        if role == inst.role and not inst.target:
+            return
+        inst.target = role if role != inst.role else ""
+        if inst.target:
+            self._maybe_switch(inst)
+
+    def _maybe_switch(self, inst: Inst) -> None:
+        if inst.target and inst.idle:
+            inst.busy = True  # switching
+            self.push(self.now + self.c.switch_s, SWITCH_DONE, inst)
+
+    def _switch_done(self, inst: object) -> None:
+        assert isinstance(inst, Inst)
+        inst.role, inst.target, inst.busy = inst.target or inst.role, "", False
+        if inst.queue or inst.waiting:  # work routed here while a cancelled switch ran
+            self._start(inst)
+        backlog = self.backlog[inst.role]
+        while backlog:
+            req = backlog.popleft()
+            self._route_prompt(req) if inst.role == "prefill" else self._kv_done(req)
+
+    def _tick(self, _: object) -> None:
+        assert self.on_tick is not None
+        self.on_tick(self, self.now)
+        self.push(self.now + self.tick_s, TICK, None)
