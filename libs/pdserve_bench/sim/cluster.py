@@ -43,6 +43,7 @@ class SimConfig:
 class Req:
     r: SimRequest
     t_first: float = -1.0
+    t_admit: float = -1.0  # joined a decode batch (after the KV transfer and any queue)
     t_done: float = -1.0
     prefill_left: int = 0
 
@@ -180,6 +181,7 @@ class Sim:
     def _admit(self, inst: Inst) -> None:
         while inst.waiting and len(inst.running) < self.m.max_batch:
             req = inst.waiting.popleft()
+            req.t_admit = self.now
             if req.r.output_len <= 1:
                 self._finish(req)
                 continue
