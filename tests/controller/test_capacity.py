@@ -49,7 +49,8 @@ def test_from_bench_lines_uses_the_bench_json() -> None:
     m = from_bench_lines(lines, prompt_len=128, max_batch=64)
     # decode steps: 1/100 = 10 ms at 1, 31/775 = 40 ms at 31 → 9 ms + 1 ms·b
     assert m.decode_base_s == pytest.approx(0.009) and m.decode_per_seq_s == pytest.approx(0.001)
-    assert m.prefill_tokens_per_s == pytest.approx(1000) and m.prefill_overhead_s == pytest.approx(0, abs=1e-9)
+    assert m.prefill_tokens_per_s == pytest.approx(1000)
+    assert m.prefill_overhead_s == pytest.approx(0, abs=1e-9)
 
 
 @pytest.mark.parametrize(("lines", "message"), [

@@ -22,7 +22,8 @@ def test_controller_component_grants_scale_only(tmp_path: Path, overlay: str) ->
     binding = by_kind[("RoleBinding", "pdserve-controller")]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pdserve-controller",
                                     "namespace": "pdserve"}]
-    assert all(d["metadata"].get("namespace") == "pdserve" for d in docs if d["kind"] != "Namespace")
+    assert all(d["metadata"].get("namespace") == "pdserve"
+               for d in docs if d["kind"] != "Namespace")
     assert ("ServiceAccount", "pdserve-controller") in by_kind
     router = _workloads(docs)["router"]["spec"]["template"]["spec"]
     assert router["serviceAccountName"] == "pdserve-controller"

@@ -95,7 +95,8 @@ async def test_scales_through_the_scale_subresource(api_server: FakeApiServer) -
     assert [m for m, *_ in api_server.requests] == ["GET", "GET"]
 
 
-async def test_dry_run_only_logs(api_server: FakeApiServer, caplog: pytest.LogCaptureFixture) -> None:
+async def test_dry_run_only_logs(api_server: FakeApiServer,
+                                 caplog: pytest.LogCaptureFixture) -> None:
     act = _actuator(api_server, dry_run=True)
     with caplog.at_level("INFO"):
         assert await act.apply(Plan(1, 3)) == []

@@ -59,10 +59,9 @@ class Controller:
         self.window.add(arrival)
 
     def _refit(self) -> None:
-        try:
+        # When the Stats of this window do not determine it, keep the last model.
+        with contextlib.suppress(CalibrationError):
             self.model = from_stats(self.monitor.samples(), self.model.max_batch)
-        except CalibrationError:
-            pass  # the Stats of this window do not determine it: keep the last model
 
     async def tick(self, now: float) -> Decision:
         await self.monitor.poll()

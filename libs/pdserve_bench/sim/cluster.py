@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pdserve.controller.capacity import CapacityModel
@@ -119,6 +119,8 @@ class Sim:
         return best
 
     def _arrive(self, obj: object) -> None:
+        r: SimRequest
+        rest: Iterator[SimRequest]
         r, rest = obj  # type: ignore[misc]
         nxt = next(rest, None)
         if nxt is not None:
@@ -157,7 +159,8 @@ class Sim:
             self._start_step(inst)
 
     def _start_prefill(self, inst: Inst) -> None:
-        batch, tokens = [], 0
+        batch: list[Req] = []
+        tokens = 0
         while inst.queue and (not batch or tokens + inst.queue[0].r.input_len
                               <= self.c.chunk_tokens):
             req = inst.queue.popleft()
@@ -172,6 +175,8 @@ class Sim:
         self.push(self.now + self.m.prefill_time(tokens), PREFILL_DONE, (inst, batch))
 
     def _prefill_done(self, obj: object) -> None:
+        inst: Inst
+        batch: list[Req]
         inst, batch = obj  # type: ignore[misc]
         for req in batch:
             req.t_first = self.now
