@@ -64,6 +64,7 @@ async def test_flip_under_load_drops_no_request_and_leaks_no_block() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await decode.decode("late", SHORT, prefilled=first)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        await act.close()
 
 
 async def test_plans_it_cannot_carry_out_are_refused_with_the_reason() -> None:
@@ -73,6 +74,7 @@ async def test_plans_it_cannot_carry_out_are_refused_with_the_reason() -> None:
             await act.apply(Plan(2, 1))
         with pytest.raises(ActuationError, match="a colocated plan needs colocated engines"):
             await act.apply(Plan(0, 0, 2))
+        await act.close()
     with pytest.raises(ActuationError, match="Stats failed: UNAVAILABLE"):
         await InPlaceActuator(["127.0.0.1:1"], rpc_timeout_s=1).apply(Plan(1, 0))
 

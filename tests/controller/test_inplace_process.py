@@ -43,6 +43,8 @@ async def test_switches_with_the_admin_credential_only(flex_engine: Proc) -> Non
     assert sample.role == "decode" and sample.is_flex and not sample.draining
     [flip] = await right.apply(Plan(1, 0))
     assert flip.to_role == "prefill"
+    await wrong.close()
+    await right.close()
 
 
 async def test_stats_without_the_data_credential_are_left_out(flex_engine: Proc) -> None:

@@ -89,8 +89,12 @@ class InPlaceActuator(Actuator):
             raise ValueError("InPlaceActuator: no engine addresses")
         creds = auth.metadata((auth.DATA, auth.ADMIN)) if credentials is None else credentials
         self.rpc_timeout_s, self.drain_timeout_s = rpc_timeout_s, drain_timeout_s
-        self._stubs = {a: engine_pb2_grpc.EngineStub(insecure_channel(a, credentials=creds))
-                       for a in addresses}
+        self._channels = {a: insecure_channel(a, credentials=creds) for a in addresses}
+        self._stubs = {a: engine_pb2_grpc.EngineStub(c) for a, c in self._channels.items()}
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
 
     async def _stats(self, address: str) -> Sample:
         stats = await self._stubs[address].Stats(engine_pb2.EngineStatsRequest(),

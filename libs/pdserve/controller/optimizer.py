@@ -18,6 +18,7 @@ A disaggregated split serves min(p·cap_prefill, d·cap_decode); colocated N·ca
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.controller.capacity import CapacityModel
@@ -66,9 +67,8 @@ def _mdl_wait(rho: float, service_s: float) -> float:
     return math.inf if rho >= 1 else rho * service_s / (2 * (1 - rho))
 
 
-def _max_rate(ok: object, hi: float) -> float:
+def _max_rate(ok: Callable[[float], bool], hi: float) -> float:
     """The largest rate in [0, hi] for which ``ok(rate)`` holds (monotone), by bisection."""
-    assert callable(ok)
     if not ok(1e-9):
         return 0.0
     lo = 1e-9
