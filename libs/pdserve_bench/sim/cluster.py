@@ -59,6 +59,7 @@ class Inst:
     running: list[tuple[int, int, Req]] = field(default_factory=list)  # (finish step, rid, req)
     waiting: deque[Req] = field(default_factory=deque)
     k: int = 0
+    noted: int = -1  # the load of its latest entry in the router's heap
 
     @property
     def accepting(self) -> bool:
@@ -86,6 +87,12 @@ class Sim:
         self.now = 0.0
         self.done: list[Req] = []
         self.backlog: dict[str, deque[Req]] = {"prefill": deque(), "decode": deque()}
+        # Per role, (load, index) entries, stale ones dropped when met: the router's least
+        # loaded pick in O(log n) (a scan of 512 instances per request is too slow).
+        self.heaps: dict[str, list[tuple[int, int]]] = {"prefill": [], "decode": [],
+                                                        "colocated": []}
+        for inst in self.insts:
+            self._touch(inst, force=True)
 
     def push(self, t: float, kind: int, obj: object) -> None:
         self.seq += 1
@@ -111,12 +118,32 @@ class Sim:
 
     # -- routing --------------------------------------------------------------------------
 
-    def _pick(self, role: str, load: Callable[[Inst], int]) -> Inst | None:
-        best = None
-        for inst in self.insts:
-            if inst.role == role and inst.accepting and (best is None or load(inst) < load(best)):
-                best = inst
-        return best
+    @staticmethod
+    def _load(inst: Inst) -> int:
+        if inst.role == "prefill":
+            return inst.queued_tokens
+        if inst.role == "decode":
+            return len(inst.running) + len(inst.waiting)
+        return inst.queued_tokens + 64 * len(inst.running)
+
+    def _touch(self, inst: Inst, force: bool = False) -> None:
+        """Note ``inst``'s load (call after anything that changes it, before the next pick;
+        ``force`` after a role or accepting change, whose old entries were dropped)."""
+        load = self._load(inst)
+        if force or load != inst.noted:
+            inst.noted = load
+            heapq.heappush(self.heaps[inst.role], (load, inst.idx))
+
+    def _pick(self, role: str) -> Inst | None:
+        """The accepting instance of ``role`` with the least load (ties: the lowest index)."""
+        heap = self.heaps[role]
+        while heap:
+            load, idx = heap[0]
+            inst = self.insts[idx]
+            if inst.role == role and inst.accepting and self._load(inst) == load:
+                return inst
+            heapq.heappop(heap)
+        return None
 
     def _arrive(self, obj: object) -> None:
         r: SimRequest
@@ -130,23 +157,24 @@ class Sim:
         self._route_prompt(Req(r, prefill_left=r.input_len))
 
     def _route_prompt(self, req: Req) -> None:
-        inst = self._pick("colocated", lambda i: i.queued_tokens + 64 * len(i.running)) or \
-            self._pick("prefill", lambda i: i.queued_tokens)
+        inst = self._pick("colocated") or self._pick("prefill")
         if inst is None:
             self.backlog["prefill"].append(req)
             return
         inst.queue.append(req)
         inst.queued_tokens += req.r.input_len
+        self._touch(inst)
         if not inst.busy:
             self._start(inst)
 
     def _kv_done(self, req: object) -> None:
         assert isinstance(req, Req)
-        inst = self._pick("decode", lambda i: len(i.running) + len(i.waiting))
+        inst = self._pick("decode")
         if inst is None:
             self.backlog["decode"].append(req)
             return
         inst.waiting.append(req)
+        self._touch(inst)
         if not inst.busy:
             self._start(inst)
 
@@ -167,6 +195,7 @@ class Sim:
             batch.append(req)
             tokens += req.r.input_len
         inst.queued_tokens -= tokens
+        self._touch(inst)
         if not batch:
             inst.busy = False
             self._maybe_switch(inst)
@@ -197,6 +226,7 @@ class Sim:
         chunk = 0
         if inst.role == "colocated":
             chunk = self._take_chunk(inst)
+        self._touch(inst)
         if not inst.running and chunk == 0:
             inst.busy = False
             self._maybe_switch(inst)
@@ -245,6 +275,8 @@ class Sim:
         inst.target = role if role != inst.role else ""
         if inst.target:
             self._maybe_switch(inst)
+        else:
+            self._touch(inst, force=True)  # accepting again
 
     def _maybe_switch(self, inst: Inst) -> None:
         if inst.target and inst.idle:
@@ -254,6 +286,7 @@ class Sim:
     def _switch_done(self, inst: object) -> None:
         assert isinstance(inst, Inst)
         inst.role, inst.target, inst.busy = inst.target or inst.role, "", False
+        self._touch(inst, force=True)
         if inst.queue or inst.waiting:  # work routed here while a cancelled switch ran
             self._start(inst)
         backlog = self.backlog[inst.role]
