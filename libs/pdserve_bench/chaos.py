@@ -173,10 +173,18 @@ class ChaosStack:
                            f"{len(failed)} failed, the last: {failed[-1] if failed else ''}")
 
     # -- what is held ----------------------------------------------------------------------
+    def _data_md(self) -> tuple[tuple[str, str], ...]:
+        return ((auth.DATA.key, (Path(self.secrets_dir) / auth.DATA.var).read_text().strip()),)
+
+    def kvd_stats(self, name: str) -> kvd_pb2.KvdStats:
+        with grpc.insecure_channel(self.addresses[name]) as ch:
+            return kvd_pb2_grpc.KvdStub(ch).Stats(kvd_pb2.KvdStatsRequest(), timeout=5,
+                                                  metadata=self._data_md())
+
     def held(self) -> dict[str, tuple[int, ...]]:
         """kvds: (pinned, in flight, writing) slots; engines: (queued, running, KV blocks
         used). All zeros on an idle, clean stack."""
-        md = ((auth.DATA.key, (Path(self.secrets_dir) / auth.DATA.var).read_text().strip()),)
+        md = self._data_md()
         out: dict[str, tuple[int, ...]] = {}
         for name, address in self.addresses.items():
             with grpc.insecure_channel(address) as ch:
