@@ -13,7 +13,8 @@ Redis is supervised like the services. Ctrl-C (or SIGTERM) stops everything, in 
 
 Every child runs in its own process group and dies with this supervisor (PR_SET_PDEATHSIG); a
 pidfile (``pdserve.stackfile``) lists them, and a starting ``pdserve up`` kills what a killed
-one left running (a child stopped with SIGSTOP cannot act on its parent-death signal).
+one left running (a child that ignores its parent-death signal, or is stuck and cannot act
+on it).
 """
 
 from __future__ import annotations

@@ -150,8 +150,15 @@ class Proc:
     @property
     def failed_to_bind(self) -> bool:
         """Exited because its port was taken (between being picked and being bound)."""
-        return (self.popen is not None and self.popen.poll() is not None
-                and any(BIND_FAILED.search(line) for line in self.log_tail[-15:]))
+        if self.popen is None:
+            return False
+        try:
+            self.popen.wait(timeout=5)  # its stdout closes a moment before it exits
+        except subprocess.TimeoutExpired:
+            return False  # still running: not a failed bind
+        if self._stderr_reader is not None:
+            self._stderr_reader.join(timeout=2)  # its last words in the tail
+        return any(BIND_FAILED.search(line) for line in self.log_tail[-15:])
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.popen is None or self.popen.poll() is not None:
