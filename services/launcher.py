@@ -262,30 +262,45 @@ class Stack:
             self.router_address = new
 
     def supervise(self) -> None:
-        """Report (and unless --no-restart, restart) services that die, until stopped."""
-        while not self.stopping.wait(0.5):
+        """Report (and unless --no-restart, restart) services that die, until stopped. Each
+        is respawned after its own backoff and waited for beside the others, so one slow
+        restart (an engine loading its model) never holds up another. Children are spawned
+        on this thread: the parent-death signal fires when the spawning thread ends."""
+        due: dict[str, float] = {}  # a dead service's name -> when to respawn it
+        while not self.stopping.wait(0.1):
             if self.redis is not None and self.redis.poll() is not None:
                 self._restart_redis()
             for proc in self.procs:
                 if proc.popen is None or proc.popen.poll() is None:
                     continue
-                code = proc.popen.returncode
-                tail = "\n  ".join(proc.log_tail[-5:])
-                print(f"pdserve up: {proc.name} exited with code {code}; last log lines:\n  {tail}",
-                      file=sys.stderr, flush=True)
-                if self.ns.no_restart:
-                    proc.popen = None
-                    continue
-                proc.restarts += 1
-                time.sleep(min(5.0, 0.5 * proc.restarts))
-                proc.start(proc.env)
-                self._write_pidfile()
-                try:
-                    proc.wait_ready(self.ns.ready_timeout)
-                    print(f"pdserve up: {proc.name} restarted on {self.ns.host}:{proc.port}",
-                          file=sys.stderr, flush=True)
-                except RuntimeError as exc:
-                    print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+                if proc.name not in due:
+                    self._report_exit(proc)
+                    if self.ns.no_restart:
+                        proc.popen = None
+                        continue
+                    proc.restarts += 1
+                    due[proc.name] = time.monotonic() + min(5.0, 0.5 * proc.restarts)
+                elif time.monotonic() >= due[proc.name]:
+                    del due[proc.name]
+                    proc.start(proc.env)
+                    self._write_pidfile()
+                    threading.Thread(target=self._await_restart, args=(proc,),
+                                     daemon=True).start()
+
+    @staticmethod
+    def _report_exit(proc: Proc) -> None:
+        assert proc.popen is not None
+        tail = "\n  ".join(proc.log_tail[-5:])
+        print(f"pdserve up: {proc.name} exited with code {proc.popen.returncode}; last log "
+              f"lines:\n  {tail}", file=sys.stderr, flush=True)
+
+    def _await_restart(self, proc: Proc) -> None:
+        try:
+            proc.wait_ready(self.ns.ready_timeout)
+            print(f"pdserve up: {proc.name} restarted on {self.ns.host}:{proc.port}",
+                  file=sys.stderr, flush=True)
+        except RuntimeError as exc:
+            print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         self.stopping.set()

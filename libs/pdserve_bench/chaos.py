@@ -183,31 +183,35 @@ class ChaosStack:
 
     def held(self) -> dict[str, tuple[int, ...]]:
         """kvds: (pinned, in flight, writing) slots; engines: (queued, running, KV blocks
-        used). All zeros on an idle, clean stack."""
+        used). All zeros on an idle, clean stack; a service not answering (restarting) is
+        left out."""
         md = self._data_md()
         out: dict[str, tuple[int, ...]] = {}
         for name, address in self.addresses.items():
             with grpc.insecure_channel(address) as ch:
-                if name.startswith("kvd-"):
-                    k = kvd_pb2_grpc.KvdStub(ch).Stats(kvd_pb2.KvdStatsRequest(), timeout=5,
-                                                        metadata=md)
-                    out[name] = (k.slots_pinned, k.slots_in_flight, k.slots_writing)
-                elif name.startswith(("prefill-", "decode-")):
-                    e = engine_pb2_grpc.EngineStub(ch).Stats(engine_pb2.EngineStatsRequest(),
-                                                             timeout=5, metadata=md)
-                    out[name] = (e.queue_depth, e.num_running, e.kv_blocks_used)
+                try:
+                    if name.startswith("kvd-"):
+                        k = kvd_pb2_grpc.KvdStub(ch).Stats(kvd_pb2.KvdStatsRequest(),
+                                                            timeout=5, metadata=md)
+                        out[name] = (k.slots_pinned, k.slots_in_flight, k.slots_writing)
+                    elif name.startswith(("prefill-", "decode-")):
+                        e = engine_pb2_grpc.EngineStub(ch).Stats(
+                            engine_pb2.EngineStatsRequest(), timeout=5, metadata=md)
+                        out[name] = (e.queue_depth, e.num_running, e.kv_blocks_used)
+                except grpc.RpcError:
+                    continue
         return out
 
-    def wait_idle(self, timeout: float = 10.0) -> dict[str, tuple[int, ...]]:
-        """``held()`` once everything is zero (releases finish asynchronously); the last
-        reading if not within ``timeout``."""
+    def wait_idle(self, timeout: float = 10.0, names: tuple[str, ...] = ()) -> dict[
+            str, tuple[int, ...]]:
+        """``held()`` once everything (or every one of ``names``) answers with zeros
+        (releases finish asynchronously); the last reading if not within ``timeout``."""
+        want = names or tuple(n for n in self.addresses if n.startswith(
+            ("kvd-", "prefill-", "decode-")))
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                now = self.held()
-            except grpc.RpcError:  # a service still restarting
-                now = {}
-            if now and all(not any(v) for v in now.values()):
+            now = self.held()
+            if all(n in now and not any(now[n]) for n in want):
                 return now
             if time.monotonic() >= deadline:
                 return now

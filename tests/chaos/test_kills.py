@@ -69,7 +69,7 @@ def test_a_prefill_killed_mid_request_fails_that_request_and_holds_nothing(
     assert seen[0].seconds < 30
     # The dead prefill's pins go with its session, long before their 30 s lease.
     start = time.monotonic()
-    held = stack.wait_idle(timeout=10)
+    held = stack.wait_idle(timeout=10, names=("kvd-p0",))  # prefill-0 is restarting
     assert held.get("kvd-p0") == (0, 0, 0), held
     assert time.monotonic() - start < 10
     stack.wait_restarted("prefill-0", pid)
