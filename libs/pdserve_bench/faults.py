@@ -130,6 +130,9 @@ def _print(rows: list[FaultRow], ns: argparse.Namespace) -> None:
     for r in rows:
         print(f"{r.fault:<11}{r.recovery_s:>11.2f}{r.num_lost:>6}{r.num_sent:>6}"
               f"{r.restart_s:>11.2f}  {r.first_error[:70]}")
+    clean = all(r.clean for r in rows)
+    print(f"clean afterwards: {'yes' if clean else 'NO'} (kvds: nothing pinned, in flight or "
+          "being written; engines: nothing queued, running or holding KV blocks)")
     if ns.json:
         for r in rows:
             print(json.dumps({"bench": "faults", **asdict(r)}))
