@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -102,18 +103,28 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def children_of(num_prefill: int, num_decode: int) -> list[str]:
+    """The children ``pdserve up --prefill P --decode D`` runs, by name."""
+    nodes = [(f"kvd-p{i}", f"prefill-{i}") for i in range(num_prefill)]
+    nodes += [(f"kvd-d{i}", f"decode-{i}") for i in range(num_decode)]
+    return ["redis", *(n for pair in nodes for n in pair), "router", "gateway"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _args(argv)
+    known = children_of(ns.prefill, ns.decode)
+    unknown = [n for n in ns.faults.split(",") if n not in known]
+    if unknown:
+        print(f"pdserve bench faults: error: --faults: no child {unknown[0]!r} in a stack of "
+              f"{ns.prefill} prefill + {ns.decode} decode nodes (it runs {', '.join(known)})",
+              file=sys.stderr)
+        return 2
     rows: list[FaultRow] = []
     args = ["--model", "tiny", "--prefill", str(ns.prefill), "--decode", str(ns.decode),
             "--kvd-capacity-mib", "16"]
     with ChaosStack(args) as stack:
         with Load(stack, ns.clients, ns.max_tokens) as load:
             for name in ns.faults.split(","):
-                if name not in stack.children():
-                    raise SystemExit(f"pdserve bench faults: error: --faults: no child "
-                                     f"{name!r} (the stack runs "
-                                     f"{', '.join(sorted(stack.children()))})")
                 rows.append(run_fault(stack, name, load, ns.settle))
         idle = stack.wait_idle()  # the load has stopped: everything released?
         counted = [n for n in stack.addresses if n.startswith(("kvd-", "prefill-", "decode-"))]
