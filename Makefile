@@ -13,7 +13,7 @@ BUF_STAMP := node_modules/.installed
 # `make proto-baseline`. Any buf input can stand in: BUF_AGAINST='.git#tag=v1.0.0,subdir=protos'.
 BUF_AGAINST ?= protos/v1-baseline.json
 
-.PHONY: setup protos proto-baseline run test lint bench clean gpu-bundle device-check images
+.PHONY: setup protos proto-baseline run test chaos lint bench clean gpu-bundle device-check images
 
 setup: .setup-stamp $(STUBS) $(BUF_STAMP)
 
@@ -45,6 +45,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The long chaos cases (tests/chaos, marked slow): kills and pauses of live stacks.
+chaos: setup
+	$(PY) -m pytest -q -m slow
 
 lint: setup
 	$(VENV)/bin/ruff check libs services tests scripts

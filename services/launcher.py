@@ -6,8 +6,15 @@
     router -> gateway (HTTP)
 
 Ports are picked up front, so a service that dies is restarted on the same address and the
-router finds it again without a restart of its own. Ctrl-C (or SIGTERM) stops everything, in
-reverse order.
+router finds it again without a restart of its own; a port taken between being picked and being
+bound (another process got it first) is replaced by a fresh one and the service started again,
+its dependents' flags rewritten (a bind retry: services do not choose their own ports here).
+Redis is supervised like the services. Ctrl-C (or SIGTERM) stops everything, in reverse order.
+
+Every child runs in its own process group and dies with this supervisor (PR_SET_PDEATHSIG); a
+pidfile (``pdserve.stackfile``) lists them, and a starting ``pdserve up`` kills what a killed
+one left running (a child that ignores its parent-death signal, or is stuck and cannot act
+on it).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from pdserve import env
+from pdserve import env, stackfile
 from pdserve.procs import Proc, free_port, redis_server_exe, start_redis
 from pdserve.roles import Role
 from pdserve.stack_secrets import StackSecrets
@@ -33,6 +40,7 @@ from services.router.config import RouterConfig
 from services.router.policy import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
+_BIND_ATTEMPTS = 3  # a port taken between being picked and being bound: try fresh ones
 
 
 def _module(name: str) -> list[str]:
@@ -108,7 +116,10 @@ class Stack:
         self.redis_url = os.environ.get(env.REDIS_URL_VAR, "")
         self.secrets = StackSecrets(os.environ)
         self.redis: subprocess.Popen[bytes] | None = None
+        self.redis_port = 0
+        self.redis_restarts = 0
         self.stopping = threading.Event()
+        self.pidfile = stackfile.StackFile()
 
     def _start_redis(self) -> None:
         if self.redis_url:
@@ -119,9 +130,44 @@ class Stack:
                   "prefix index (install redis-server, or pdserve's `local` extra, for "
                   "cache-aware routing)", file=sys.stderr)
             return
-        port = free_port(self.ns.host)
-        self.redis = start_redis(exe, self.ns.host, port, self.secrets.redis_password)
-        self.redis_url = self.secrets.private_redis_url(self.ns.host, port)
+        for attempt in range(_BIND_ATTEMPTS):
+            self.redis_port = free_port(self.ns.host)
+            try:
+                self.redis = start_redis(exe, self.ns.host, self.redis_port,
+                                         self.secrets.redis_password)
+                break
+            except RuntimeError:  # its port was taken first: another one
+                if attempt == _BIND_ATTEMPTS - 1:
+                    raise
+        self.redis_url = self.secrets.private_redis_url(self.ns.host, self.redis_port)
+        self._write_pidfile()
+
+    def _restart_redis(self) -> None:
+        """Redis died: the same port again (every service has its URL), after a backoff."""
+        exe = redis_server_exe()
+        assert self.redis is not None and exe is not None
+        print(f"pdserve up: redis-server exited with code {self.redis.returncode}",
+              file=sys.stderr, flush=True)
+        if self.ns.no_restart:
+            self.redis = None
+            return
+        self.redis_restarts += 1
+        time.sleep(min(5.0, 0.5 * self.redis_restarts))
+        try:
+            self.redis = start_redis(exe, self.ns.host, self.redis_port,
+                                     self.secrets.redis_password)
+            print(f"pdserve up: redis-server restarted on {self.ns.host}:{self.redis_port}",
+                  file=sys.stderr, flush=True)
+        except RuntimeError as exc:
+            print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+        self._write_pidfile()
+
+    def _write_pidfile(self) -> None:
+        pids = [(p.name, p.popen.pid) for p in self.procs if p.popen is not None]
+        if self.redis is not None:
+            pids.append(("redis", self.redis.pid))
+        entries = (stackfile.entry(name, pid) for name, pid in pids)
+        self.pidfile.write(e for e in entries if e is not None)
 
     def _add(self, name: str, module: str, flags: list[str], cpus: set[int] | None = None,
              port: int | None = None) -> Proc:
@@ -179,35 +225,82 @@ class Stack:
         self.gateway = self._add("gateway", "gateway", gw_flags, port=http_port)
 
     def start(self) -> None:
+        for child in stackfile.clean_stale():
+            print(f"pdserve up: killed {child.name} (pid {child.pid}), left running by a "
+                  "pdserve up that was killed", file=sys.stderr, flush=True)
         self._start_redis()
         self.plan()
         for proc in self.procs:
-            proc.start(proc.env)
-            proc.wait_ready(self.ns.ready_timeout)
+            self._start_one(proc)
             print(f"  {proc.name:12s} {self.ns.host}:{proc.port}", flush=True)
 
+    def _start_one(self, proc: Proc) -> None:
+        """Start ``proc`` and wait for its ready line; if its port was taken meanwhile, a
+        fresh one (and the flags of whoever names it rewritten)."""
+        for attempt in range(_BIND_ATTEMPTS):
+            proc.start(proc.env)
+            self._write_pidfile()
+            try:
+                proc.wait_ready(self.ns.ready_timeout)
+                return
+            except RuntimeError:
+                fixed = proc is self.gateway and self.ns.port
+                if not proc.failed_to_bind or fixed or attempt == _BIND_ATTEMPTS - 1:
+                    raise
+            self._move(proc, free_port(self.ns.host))
+
+    def _move(self, proc: Proc, port: int) -> None:
+        old, new = f"{self.ns.host}:{proc.port}", f"{self.ns.host}:{port}"
+        print(f"pdserve up: {proc.name}: port {proc.port} was taken; trying {port}",
+              file=sys.stderr, flush=True)
+        proc.args[proc.args.index("--port") + 1] = str(port)
+        proc.port = port
+        for other in self.procs:
+            other.args = [",".join(new if a == old else a for a in arg.split(","))
+                          for arg in other.args]
+        if self.router_address == old:
+            self.router_address = new
+
     def supervise(self) -> None:
-        """Report (and unless --no-restart, restart) services that die, until stopped."""
-        while not self.stopping.wait(0.5):
+        """Report (and unless --no-restart, restart) services that die, until stopped. Each
+        is respawned after its own backoff and waited for beside the others, so one slow
+        restart (an engine loading its model) never holds up another. Children are spawned
+        on this thread: the parent-death signal fires when the spawning thread ends."""
+        due: dict[str, float] = {}  # a dead service's name -> when to respawn it
+        while not self.stopping.wait(0.1):
+            if self.redis is not None and self.redis.poll() is not None:
+                self._restart_redis()
             for proc in self.procs:
                 if proc.popen is None or proc.popen.poll() is None:
                     continue
-                code = proc.popen.returncode
-                tail = "\n  ".join(proc.log_tail[-5:])
-                print(f"pdserve up: {proc.name} exited with code {code}; last log lines:\n  {tail}",
-                      file=sys.stderr, flush=True)
-                if self.ns.no_restart:
-                    proc.popen = None
-                    continue
-                proc.restarts += 1
-                time.sleep(min(5.0, 0.5 * proc.restarts))
-                proc.start(proc.env)
-                try:
-                    proc.wait_ready(self.ns.ready_timeout)
-                    print(f"pdserve up: {proc.name} restarted on {self.ns.host}:{proc.port}",
-                          file=sys.stderr, flush=True)
-                except RuntimeError as exc:
-                    print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+                if proc.name not in due:
+                    self._report_exit(proc)
+                    if self.ns.no_restart:
+                        proc.popen = None
+                        continue
+                    proc.restarts += 1
+                    due[proc.name] = time.monotonic() + min(5.0, 0.5 * proc.restarts)
+                elif time.monotonic() >= due[proc.name]:
+                    del due[proc.name]
+                    proc.start(proc.env)
+                    self._write_pidfile()
+                    threading.Thread(target=self._await_restart, args=(proc,),
+                                     daemon=True).start()
+
+    @staticmethod
+    def _report_exit(proc: Proc) -> None:
+        assert proc.popen is not None
+        tail = "\n  ".join(proc.log_tail[-5:])
+        print(f"pdserve up: {proc.name} exited with code {proc.popen.returncode}; last log "
+              f"lines:\n  {tail}", file=sys.stderr, flush=True)
+
+    def _await_restart(self, proc: Proc) -> None:
+        try:
+            proc.wait_ready(self.ns.ready_timeout)
+            print(f"pdserve up: {proc.name} restarted on {self.ns.host}:{proc.port}",
+                  file=sys.stderr, flush=True)
+        except RuntimeError as exc:
+            print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -217,6 +310,7 @@ class Stack:
             self.redis.terminate()
             self.redis.wait(timeout=10)
         self.secrets.remove()
+        self.pidfile.remove()
 
 
 def write_prometheus_config(path: str, stack: Stack) -> None:

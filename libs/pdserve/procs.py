@@ -1,5 +1,6 @@
 """Child processes under a supervisor (``pdserve up``, the namespace cluster): each started
-with the supervisor's death as its own (PR_SET_PDEATHSIG), ready once it prints
+in its own process group with the supervisor's death as its own (PR_SET_PDEATHSIG), ready
+once it prints
 ``pdserve <name> listening on <host>:<port>``, its log kept; and a private ``redis-server``.
 """
 
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+BIND_FAILED = re.compile(r"(?i)cannot bind|failed to bind|address already in use")
 READY = re.compile(r"pdserve (\w+) listening on (\S+):(\d+)(?: \(metrics on (\S+)\))?")
 
 
@@ -61,7 +63,7 @@ def start_redis(exe: str, host: str, port: int, password: str = "",
         config += f"requirepass {password}\n"
     proc = subprocess.Popen([*prefix, exe, "-"], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=die_with_parent)
+                            preexec_fn=die_with_parent, process_group=0)
     assert proc.stdin is not None
     proc.stdin.write(config.encode())
     proc.stdin.close()
@@ -104,8 +106,11 @@ class Proc:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
+        # Its own process group: a terminal's Ctrl-C reaches the supervisor only (which stops
+        # the children in order), and a stale child is killed with whatever it started.
         self.popen = subprocess.Popen(self.args, cwd=self.cwd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, preexec_fn=pin)
+                                      stderr=subprocess.PIPE, text=True, preexec_fn=pin,
+                                      process_group=0)
         self._stderr_reader = threading.Thread(target=self._drain_stderr, daemon=True)
         self._stderr_reader.start()
 
@@ -141,6 +146,19 @@ class Proc:
         assert self.popen is not None and self.popen.stdout is not None
         for _ in self.popen.stdout:
             pass
+
+    @property
+    def failed_to_bind(self) -> bool:
+        """Exited because its port was taken (between being picked and being bound)."""
+        if self.popen is None:
+            return False
+        try:
+            self.popen.wait(timeout=5)  # its stdout closes a moment before it exits
+        except subprocess.TimeoutExpired:
+            return False  # still running: not a failed bind
+        if self._stderr_reader is not None:
+            self._stderr_reader.join(timeout=2)  # its last words in the tail
+        return any(BIND_FAILED.search(line) for line in self.log_tail[-15:])
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.popen is None or self.popen.poll() is not None:

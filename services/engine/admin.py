@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -12,6 +13,21 @@ from pdserve.proto.v1 import engine_pb2, engine_pb2_grpc
 from pdserve.roles import Role
 from pdserve.rpc import rpc_handler
 from services.engine.instance import EngineInstance
+
+# Stats waits this long for the engine thread (to count what was queued before it); a longer
+# step (a long prefill chunk on a busy CPU) gets the snapshot taken after the last step
+# instead: the router's health poll must never time out on a busy engine.
+STATS_WAIT_S = 0.25
+
+
+async def core_stats(inst: EngineInstance) -> CoreStats:
+    try:
+        return await asyncio.wait_for(inst.aengine.call(lambda e: e.stats()), STATS_WAIT_S)
+    except TimeoutError:
+        snapshot = inst.aengine.last_stats
+        if snapshot is None:  # not started: nothing else to say
+            raise
+        return snapshot
 
 
 class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
@@ -24,7 +40,7 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
     async def Stats(self, request: engine_pb2.EngineStatsRequest,
                     context: grpc.aio.ServicerContext) -> engine_pb2.EngineStats:
         inst = self.instance
-        core: CoreStats = await inst.aengine.call(lambda e: e.stats())
+        core = await core_stats(inst)
         prefill_rate, decode_rate = inst.aengine.window.rates(time.monotonic())
         kvd = inst.bridge.endpoint if inst.bridge is not None else None
         return engine_pb2.EngineStats(

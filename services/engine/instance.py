@@ -24,6 +24,7 @@ from pdserve.engine.engine import Engine
 from pdserve.errors import BadRequest, StatusError
 from pdserve.kvd.bridge import KvBridge
 from pdserve.kvd.client import KvdClient
+from pdserve.kvd.link import KvdLink
 from pdserve.roles import Role
 from services.engine.config import EngineServiceConfig
 from services.engine.convert import EngineLimits
@@ -43,6 +44,7 @@ class EngineInstance:
         self._idle = asyncio.Event()
         self._idle.set()
         self.bridge: KvBridge | None = None  # when --kvd is set
+        self.kvd_link: KvdLink | None = None
         self.address = ""
         self._heartbeat: asyncio.Task[None] | None = None
         self._redis: Any = None
@@ -69,7 +71,8 @@ class EngineInstance:
             client = KvdClient(self.config.kvd, f"engine-{self.instance_id}",
                                secret=auth.secrets().get(auth.DATA.name, ""))
             self.bridge = KvBridge(self.aengine, client, self.config.kvd)
-            await self.bridge.register()
+            self.kvd_link = KvdLink(self.bridge)
+            await self.kvd_link.start()  # registered now, and again whenever the kvd restarts
         if self.config.redis_url:
             await self._start_heartbeat()
 
@@ -80,6 +83,8 @@ class EngineInstance:
                 await self._heartbeat
         if self._redis is not None:
             await self._redis.aclose()
+        if self.kvd_link is not None:
+            await self.kvd_link.stop()
         if self.bridge is not None:
             if self.bridge.staging is not None:
                 self.bridge.staging.close()  # unregister the pool before it is unmapped

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import mmap
+import os
 import time
 from collections.abc import Sequence
 from multiprocessing import shared_memory
@@ -26,6 +27,7 @@ from pdserve.hashing import HASH_LEN, block_checksum
 from pdserve.index import IndexUnavailable, NodeRecord, PrefixIndex
 from pdserve.kvd import layout as L
 from pdserve.proto.v1 import common_pb2, kvd_pb2
+from services.kvd import segments
 from services.kvd.config import KvdConfig
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
@@ -54,6 +56,7 @@ class Kvd:
         self.shipper: Shipper | None = None
         self._shm: shared_memory.SharedMemory | None = None
         self._lease_task: asyncio.Task[None] | None = None
+        self._sessions: dict[str, int] = {}  # client_id -> open Session streams
 
     # -- life --------------------------------------------------------------------------------
     async def start(self, me: common_pb2.KvdEndpoint) -> None:
@@ -80,6 +83,26 @@ class Kvd:
             await asyncio.sleep(0.05)
             if self.shipper is not None:
                 self.shipper.pool.expire()
+
+    # -- sessions ------------------------------------------------------------------------------
+    def open_session(self, client_id: str) -> None:
+        self._sessions[client_id] = self._sessions.get(client_id, 0) + 1
+
+    def close_session(self, client_id: str) -> int:
+        """The client's stream ended: once its last one has, release every pin it holds (a
+        dead engine's pins go now, not when their leases pass). Returns how many."""
+        left = self._sessions.get(client_id, 1) - 1
+        if left > 0:
+            self._sessions[client_id] = left
+            return 0
+        self._sessions.pop(client_id, None)
+        if self.shipper is None:
+            return 0
+        released = self.shipper.pool.release_client(client_id)
+        if released:
+            log.info("client gone: its pins released",
+                     extra={"fields": {"client_id": client_id, "num_pins": released}})
+        return released
 
     def _record(self) -> NodeRecord:
         pool = self.shipper.pool if self.shipper else None
@@ -111,9 +134,10 @@ class Kvd:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"layout: one block ({slot_bytes} bytes) exceeds --capacity-mib "
                               f"{self.config.capacity_mib}")
-        safe = "".join(c if c.isalnum() else "-" for c in self.me.node_id)[:40]
-        self._shm = shared_memory.SharedMemory(f"pdserve-kvd-{safe}-{self.epoch}", create=True,
-                                               size=L.segment_bytes(slot_bytes, num_slots))
+        segments.unlink_stale()  # what a killed kvd of this host left behind
+        self._shm = shared_memory.SharedMemory(
+            segments.segment_name(self.me.node_id, os.getpid(), self.epoch), create=True,
+            size=L.segment_bytes(slot_bytes, num_slots))
         assert self._shm.buf is not None
         L.write_header(self._shm.buf, slot_bytes, num_slots, self.epoch)
         arr = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)

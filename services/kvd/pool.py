@@ -200,6 +200,13 @@ class Pool:
                 self._lru[pin.slot] = None  # most recently used end
         return True
 
+    def release_client(self, client_id: str) -> int:
+        """Drop every pin ``client_id`` holds (its session ended: the client is gone)."""
+        mine = [p.pin_id for p in self.pins.values() if p.client_id == client_id]
+        for pin_id in mine:
+            self.release(pin_id)
+        return len(mine)
+
     def expire(self) -> int:
         """Release every pin whose lease has passed (a dead client cannot leak the pool)."""
         now = self._clock()

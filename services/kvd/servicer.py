@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -74,6 +75,18 @@ class KvdServicer(kvd_pb2_grpc.KvdServicer):
     async def Stats(self, request: kvd_pb2.KvdStatsRequest,
                     context: grpc.aio.ServicerContext) -> kvd_pb2.KvdStats:
         return self.kvd.stats()
+
+    @rpc_handler("Session")
+    async def Session(self, request: kvd_pb2.SessionRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[kvd_pb2.SessionResponse]:
+        if not request.client_id:
+            raise BadRequest("client_id: required (whose pins go when the session ends)")
+        self.kvd.open_session(request.client_id)
+        try:
+            yield kvd_pb2.SessionResponse(epoch=self.kvd.epoch, node_id=self.kvd.me.node_id)
+            await asyncio.Event().wait()  # until the client goes (or this server stops)
+        finally:
+            self.kvd.close_session(request.client_id)
 
     @rpc_handler("Transfer")
     async def Transfer(self, request: kvd_pb2.TransferRequest,

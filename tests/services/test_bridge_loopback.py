@@ -32,7 +32,7 @@ class LoopbackKvd:
         self.destinations: list[str] = []
 
     async def register(self, layout: Any) -> Any:
-        return SimpleNamespace(node_id="loop")
+        return SimpleNamespace(node_id="loop", epoch=1)
 
     def slot_view(self, slot: int) -> torch.Tensor:
         return self.data[slot]

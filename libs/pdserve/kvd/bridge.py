@@ -11,6 +11,7 @@ only for the copy: a commit releases the writer's pins, an import releases the r
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -42,19 +43,39 @@ class Exported:
 
 def _kvd_status(fn: F) -> F:
     """The kvd's failures as the engine's callers see them: its status code, marked as the
-    kvd's; a wait that ran out as DEADLINE_EXCEEDED."""
+    kvd's; a wait that ran out as DEADLINE_EXCEEDED. While the kvd is lost (it died: the
+    session ended) calls fail at once with UNAVAILABLE, and calls in flight when it is lost
+    fail then, not at their deadlines; a kvd that answers "no block layout registered" (it
+    restarted) is lost too."""
 
     @functools.wraps(fn)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+    async def wrapper(self: KvBridge, *args: Any, **kwargs: Any) -> Any:
+        lost = self.check_connected()
+        call = asyncio.ensure_future(fn(self, *args, **kwargs))
+        waiter = asyncio.ensure_future(lost.wait())
         try:
-            return await fn(*args, **kwargs)
+            await asyncio.wait((call, waiter), return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():
+                raise self.unavailable()
+            return call.result()
         except grpc.aio.AioRpcError as exc:
+            if _is_unregistered(exc):
+                self.mark_lost("it restarted (no block layout registered)")
+                raise self.unavailable() from exc
             raise StatusError(exc.code(), f"kvd: {exc.details()}") from exc
         except TimeoutError as exc:
             raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"kvd: {exc or 'timed out'}") from exc
+        finally:
+            call.cancel()
+            waiter.cancel()
 
     return wrapper  # type: ignore[return-value]
+
+
+def _is_unregistered(exc: grpc.aio.AioRpcError) -> bool:
+    return (exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+            and "no block layout registered" in (exc.details() or ""))
 
 
 class KvBridge:
@@ -63,19 +84,61 @@ class KvBridge:
         self.client = client
         self.address = address
         self.node_id = ""
+        self.epoch = 0
         self.staging: KvStaging | None = None
+        self._lost = asyncio.Event()
+        self._lost.set()  # until registered
+        self.lost_reason = "not registered yet"
+        self.on_lost: Callable[[], None] = lambda: None  # the link re-registers
 
-    @_kvd_status
+    # -- connection state -------------------------------------------------------------------
+
+    @property
+    def is_connected(self) -> bool:
+        return not self._lost.is_set()
+
+    def check_connected(self) -> asyncio.Event:
+        """The event set when the kvd is lost; UNAVAILABLE at once if it already is."""
+        if self._lost.is_set():
+            raise self.unavailable()
+        return self._lost
+
+    def unavailable(self) -> StatusError:
+        return StatusError(grpc.StatusCode.UNAVAILABLE,
+                           f"kvd {self.address}: {self.lost_reason}; this instance is "
+                           "registering with it again: retry (on another instance)")
+
+    def mark_lost(self, reason: str) -> None:
+        """The kvd went away (or restarted): fail what waits on it, and re-register."""
+        if self._lost.is_set():
+            return
+        self.lost_reason = reason
+        self._lost.set()
+        log.warning("kvd lost", extra={"fields": {"kvd": self.address, "reason": reason}})
+        self.on_lost()
+
     async def register(self) -> None:
+        """Register the engine's block layout and map the pool (again, after a kvd restart:
+        the new pool replaces the old one)."""
+        try:
+            await self._register()
+        except grpc.aio.AioRpcError as exc:
+            raise StatusError(exc.code(), f"kvd: {exc.details()}") from exc
+
+    async def _register(self) -> None:
         cfg = self.aengine.engine.config
         layout = BlockLayout(num_layers=cfg.num_layers,
                              block_size=self.aengine.engine.kv.block_size,
                              num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                              dtype=self.aengine.engine.kv_dtype,
                              model_fingerprint=self.aengine.engine.fingerprint)
+        if self.staging is not None:
+            self.staging.close()  # unpinned before the old pool is unmapped
+            self.staging = None
         info = await self.client.register(layout)
-        self.node_id = info.node_id
+        self.node_id, self.epoch = info.node_id, info.epoch
         self.staging = KvStaging(self.aengine.engine, self.client)
+        self._lost = asyncio.Event()
 
     @property
     def endpoint(self) -> common_pb2.KvdEndpoint:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
@@ -118,6 +118,7 @@ class KvdClient:
         # Map every page now (a read per page): first touches in this process are minor faults,
         # which made a 64 MiB write-then-commit several ms slower on every fresh slot.
         torch.frombuffer(shm.buf, dtype=torch.uint8)[::mmap.PAGESIZE].max()
+        self._unmap()  # registering again (a restarted kvd): the old pool is not its any more
         self._shm, self.layout = shm, layout
         self.info = PoolInfo(r.shm_name, r.slot_bytes, r.num_slots, r.node_id, r.epoch,
                              r.data_offset, r.max_batch_blocks)
@@ -207,9 +208,20 @@ class KvdClient:
         return await self._stub.Stats(kvd_pb2.KvdStatsRequest(), timeout=self._timeout,
                                       metadata=self._metadata())
 
+    def session(self) -> AsyncIterator[kvd_pb2.SessionResponse]:
+        """This client's presence at the kvd, held open (no deadline) while it lives: the
+        kvd's epoch first; the stream ends (an ``AioRpcError``) when the kvd goes away, and the
+        kvd releases this client's pins when this process does."""
+        call = self._stub.Session(kvd_pb2.SessionRequest(client_id=self.client_id),
+                                  metadata=self._metadata())
+        return call.__aiter__()  # type: ignore[no-any-return]
+
     async def close(self) -> None:
         """Close the channel and unmap the segment (kept mapped while tensor views live)."""
         await self._channel.close()
+        self._unmap()
+
+    def _unmap(self) -> None:
         if self._shm is not None:
             # A live slot_view keeps the mapping; it then goes with the process.
             with contextlib.suppress(BufferError):

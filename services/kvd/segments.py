@@ -1,0 +1,67 @@
+"""Names of kvd pool segments, and removal of the ones a dead kvd left behind.
+
+A kvd killed with SIGKILL never unlinks its POSIX shared-memory pool, so each restart would
+leave one more pool-sized file in ``/dev/shm``. Every segment's name carries the pid of the
+kvd that created it::
+
+    pdserve-kvd-<node id, sanitised>-<pid>-<epoch>
+
+and a starting kvd unlinks exactly those whose creator is no longer alive. Segments of live
+kvds are never touched, whatever their node id: several stacks on one host (tests run many)
+may use the same node ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "pdserve-kvd-"
+_NAME = re.compile(rf"^{PREFIX}.*-(\d+)-(\d+)$")
+
+
+def segment_name(node_id: str, pid: int, epoch: int) -> str:
+    safe = "".join(c if c.isalnum() else "-" for c in node_id)[:40]
+    return f"{PREFIX}{safe}-{pid}-{epoch}"
+
+
+def owner_pid(name: str) -> int | None:
+    """The pid in a segment's name, or None for a name not made by ``segment_name``."""
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def unlink_stale(shm_dir: Path = SHM_DIR) -> list[str]:
+    """Unlink the segments whose creating kvd is dead; return their names."""
+    removed: list[str] = []
+    try:
+        entries = list(shm_dir.iterdir())
+    except OSError:
+        return removed  # no /dev/shm here (not Linux): nothing to clean
+    for path in entries:
+        pid = owner_pid(path.name)
+        if pid is None or pid == os.getpid() or is_alive(pid):
+            continue
+        try:
+            path.unlink()
+        except OSError:
+            continue  # another kvd removed it first, or not ours to remove
+        removed.append(path.name)
+    if removed:
+        log.info("removed pool segments of dead kvds", extra={"fields": {"segments": removed}})
+    return removed

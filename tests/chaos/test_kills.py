@@ -1,0 +1,116 @@
+"""kill -9 and SIGSTOP of the processes of one live stack (1 prefill node, 2 decode nodes):
+the client sees a retryable error at worst, the stack serves again within its bound, the
+supervisor restarts what died, a restarted kvd gets its engine back, nothing stays pinned."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+
+from pdserve_bench.chaos import ChaosStack, Probe
+from tests.chaos.conftest import assert_idle, healthy
+
+DECODE_NODE = ("kvd-d0", "decode-0")
+
+
+def _wait_registered(stack: ChaosStack, kvd: str, old_epoch: int, timeout: float) -> float:
+    """Seconds until the restarted ``kvd`` has a pool again: its engine registered with it
+    (a kvd creates its pool at the first Register)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            s = stack.kvd_stats(kvd)
+            if s.epoch != old_epoch and s.num_slots > 0:
+                return time.monotonic() - start
+        except Exception:  # noqa: BLE001 - not back yet
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"no engine registered with the restarted {kvd} within {timeout}s")
+
+
+def test_a_killed_decode_kvd_comes_back_with_its_engine(stack: ChaosStack) -> None:
+    healthy(stack, DECODE_NODE)
+    old = stack.kvd_stats("kvd-d0").epoch
+    pid = stack.children()["kvd-d0"]
+    recovery = stack.recover(lambda: stack.kill("kvd-d0"))
+    assert recovery.seconds < 5.0, recovery  # the other decode node serves meanwhile
+    stack.wait_restarted("kvd-d0", pid)
+    _wait_registered(stack, "kvd-d0", old, timeout=30)
+    results = [stack.probe() for _ in range(6)]  # both decode nodes take requests again
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert_idle(stack)
+
+
+def test_a_killed_decode_engine_is_routed_around_and_restarted(stack: ChaosStack) -> None:
+    healthy(stack, DECODE_NODE)
+    pid = stack.children()["decode-1"]
+    recovery = stack.recover(lambda: stack.kill("decode-1"))
+    assert recovery.seconds < 5.0, recovery
+    stack.wait_restarted("decode-1", pid)
+    healthy(stack)
+    assert_idle(stack)
+
+
+def test_a_prefill_killed_mid_request_fails_that_request_and_holds_nothing(
+        stack: ChaosStack) -> None:
+    healthy(stack, ("prefill-0", "kvd-p0"))
+    long_prompt = "the quick brown fox jumps over the lazy dog " * 150
+    seen: list[Probe] = []
+    t = threading.Thread(target=lambda: seen.append(stack.probe(prompt=long_prompt,
+                                                                max_tokens=2, timeout=60)))
+    t.start()
+    time.sleep(0.5)  # prefilling (chunked) on the only prefill instance
+    pid = stack.kill("prefill-0")
+    t.join(timeout=60)
+    assert seen and (seen[0].ok or "HTTP 5" in seen[0].error), seen  # an answer, no hang
+    assert seen[0].seconds < 30
+    # The dead prefill's pins go with its session, long before their 30 s lease.
+    start = time.monotonic()
+    held = stack.wait_idle(timeout=10, names=("kvd-p0",))  # prefill-0 is restarting
+    assert held.get("kvd-p0") == (0, 0, 0), held
+    assert time.monotonic() - start < 10
+    stack.wait_restarted("prefill-0", pid)
+    healthy(stack)
+    assert_idle(stack)
+
+
+@pytest.mark.slow
+def test_a_killed_prefill_kvd_comes_back_with_its_engine(stack: ChaosStack) -> None:
+    healthy(stack, ("prefill-0", "kvd-p0"))
+    old = stack.kvd_stats("kvd-p0").epoch
+    pid = stack.children()["kvd-p0"]
+    recovery = stack.recover(lambda: stack.kill("kvd-p0"))
+    assert recovery.seconds < 20.0, recovery  # its only prefill node: the kvd's restart
+    stack.wait_restarted("kvd-p0", pid)
+    assert _wait_registered(stack, "kvd-p0", old, timeout=5) < 5
+    assert_idle(stack)
+
+
+@pytest.mark.slow
+def test_redis_killed_routing_goes_on_and_redis_is_restarted(stack: ChaosStack) -> None:
+    healthy(stack, ("redis",))
+    pid = stack.children()["redis"]
+    recovery = stack.recover(lambda: stack.kill("redis"))
+    assert recovery.seconds < 5.0, recovery
+    assert stack.wait_restarted("redis", pid, timeout=30) != pid
+    results = [stack.probe() for _ in range(4)]
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert_idle(stack)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["decode-0", "redis"])
+def test_a_paused_process_resumes(stack: ChaosStack, name: str) -> None:
+    healthy(stack, (name,))
+    stack.signal(name, signal.SIGSTOP)
+    try:
+        time.sleep(2.0)
+        during = stack.probe(timeout=30)
+    finally:
+        stack.signal(name, signal.SIGCONT)
+    assert during.ok or "HTTP 5" in during.error, during  # an answer, never a hang
+    healthy(stack)
+    assert_idle(stack)

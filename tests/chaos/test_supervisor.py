@@ -1,0 +1,61 @@
+"""kill -9 of ``pdserve up`` itself: its children die with it (parent-death signal; a stopped
+one too, once the kernel continues its orphaned process group), and the relaunch serves.
+tests/launcher/test_stackfile.py covers a child that survives anyway."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from pdserve import stackfile
+from pdserve_bench.chaos import ChaosStack
+
+ARGS = ["--model", "tiny", "--prefill", "1", "--decode", "1", "--kvd-capacity-mib", "16"]
+
+
+def _alive(pids: dict[str, int]) -> dict[str, int]:
+    return {n: p for n, p in pids.items() if stackfile.start_time(p) is not None
+            and not _is_zombie(p)}
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_kill_9_of_pdserve_up_leaves_nothing_running_and_a_relaunch_works() -> None:
+    first = ChaosStack(ARGS).start()
+    children = first.children()
+    try:
+        assert set(children) >= {"redis", "kvd-p0", "prefill-0", "kvd-d0", "decode-0",
+                                 "router", "gateway"}
+        assert first.probe().ok
+        # A stopped child cannot act on its parent-death signal until it runs again: its
+        # process group, orphaned, gets SIGHUP and SIGCONT from the kernel.
+        os.kill(children["decode-0"], signal.SIGSTOP)
+        assert first.proc is not None
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while _alive(children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(children)
+    finally:
+        for pid in _alive(children).values():
+            os.kill(pid, signal.SIGKILL)
+    pidfile = stackfile.run_dir() / f"{first.proc.pid}.json"
+    with ChaosStack(ARGS) as second:
+        assert not pidfile.exists()  # the dead stack's pidfile went with the relaunch's check
+        assert second.probe().ok
+        relaunched = second.children()
+    deadline = time.monotonic() + 15
+    while _alive(relaunched) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(relaunched)
