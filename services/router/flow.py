@@ -141,6 +141,7 @@ def _first_message(flow: Flow, response: engine_pb2.PrefillResponse,
     if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
         message.finish_reason = response.finish_reason
         message.usage.CopyFrom(flow.usage(response.cached_tokens))
+        message.usage.model_version = response.model_version
     return message
 
 
@@ -255,6 +256,7 @@ async def _relay_one(flow: Flow, decode: Instance, first: router_pb2.GenerateRes
                 pre = flow.prefill_response
                 cached = pre.cached_tokens if pre is not None else chunk.usage.cached_tokens
                 message.usage.CopyFrom(flow.usage(cached))
+                message.usage.model_version = chunk.usage.model_version
                 yield message
                 return
             yield message
