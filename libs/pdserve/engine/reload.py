@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from pdserve.models import LoadedModel
 
 # Fields that may differ between two versions of one architecture.
-_VERSIONED = {"fingerprint": "", "eos_token_ids": ()}
+_VERSIONED = {"fingerprint": "-", "eos_token_ids": ()}
 
 
 class ReloadPolicy(enum.Enum):
