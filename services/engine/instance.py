@@ -163,8 +163,8 @@ class EngineInstance:
     async def load_weights(self, source: str, policy: ReloadPolicy,
                            resume: bool) -> ReloadReport:
         """Prepare ``source``'s weights off the step loop, then swap them in at a step
-        boundary (``pdserve.engine.reload``). ``resume``: accept work again afterwards (a
-        drained instance goes back into rotation)."""
+        boundary (``pdserve.engine.reload``). ``resume``: accept work again afterwards, also
+        when the load failed (a drained instance goes back into rotation)."""
         if self._reloading:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                               "LoadWeights: another LoadWeights is running on this instance")
@@ -173,18 +173,17 @@ class EngineInstance:
                               "policy: RELOAD_POLICY_REPREFILL is for decode and colocated "
                               "instances; a prefill instance's in-flight blocks are already "
                               "promised under the old version (use RELOAD_POLICY_FINISH)")
-        self._reloading = True
+        self._reloading, was_draining = True, self.draining
         try:
-            return await self._load_weights(source, policy, resume)
-        finally:
+            return await self._load_weights(source, policy)
+        finally:  # swapped or not (then the old weights serve on), as asked
             self._reloading = False
+            self.draining = False if resume else was_draining
 
-    async def _load_weights(self, source: str, policy: ReloadPolicy,
-                            resume: bool) -> ReloadReport:
+    async def _load_weights(self, source: str, policy: ReloadPolicy) -> ReloadReport:
         start = time.perf_counter()
         lm = await asyncio.to_thread(prepare_weights, source, self.engine)
         loaded = time.perf_counter()
-        was_draining = self.draining
         if policy is ReloadPolicy.FINISH:
             self.draining = True  # in-flight requests finish on the old weights
             await self._idle.wait()
@@ -193,7 +192,6 @@ class EngineInstance:
         waited = time.perf_counter()
         result = await self.aengine.call(lambda e: swap_weights(e, lm, policy))
         self.model_source = source
-        self.draining = False if resume else was_draining
         log.info("weights reloaded", extra={"fields": {
             "model": source, "version": self.engine.model_version,
             "swap_ms": round(result.swap_s * 1e3, 2)}})

@@ -315,5 +315,5 @@ class Router:
                 queue_depth=s.queue_depth, num_running=s.num_running,
                 kv_blocks_free=s.kv_blocks_free, prefill_tokens_per_s=s.prefill_tokens_per_s,
                 decode_tokens_per_s=s.decode_tokens_per_s, num_routed=i.num_routed,
-                num_errors=i.num_errors)
+                num_errors=i.num_errors, model_version=s.model_version)
         return out

@@ -4,41 +4,22 @@ reference; the fingerprint follows the weights; bad reloads refused with their m
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import transformers
 
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
 from pdserve.engine.reload import ReloadPolicy, prepare_weights, swap_weights
 from pdserve.errors import BadRequest
 from pdserve.hashing import hash_blocks
-from pdserve.models.builtin_vocab import VOCAB_SIZE, tokenizer_config, tokenizer_json
 from pdserve.sampling_params import SamplingParams
+from tests.engine.checkpoints import hf_greedy, save_llama
 
 NEW_TOKENS = 12
-CONFIG = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
-              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=256, initializer_range=0.1, bos_token_id=0,
-              eos_token_id=1)
 PROMPTS = [[5, 17, 99, 3, 250, 8, 41, 77, 12, 60, 33, 2, 9, 140, 71, 18, 26, 90, 4],
            [300, 7, 7, 12, 55]]
-
-
-def save_llama(path: Path, seed: int, **overrides: Any) -> Any:
-    """A random Llama checkpoint (weights from ``seed``) in ``path``; returns the HF model."""
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CONFIG, **overrides}))
-    model.eval().save_pretrained(path)
-    (path / "tokenizer.json").write_text(tokenizer_json())
-    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +30,6 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any
         (root / name).mkdir()
         out[name] = (root / name, save_llama(root / name, seed, **extra))
     return out
-
-
-@torch.inference_mode()
-def hf_greedy(hf: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
-    ids = torch.tensor([prompt])
-    gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                      min_new_tokens=n, do_sample=False)
-    return gen[0, len(prompt):].tolist()
 
 
 def run(engine: Engine, prompts: list[list[int]], tag: str) -> list[list[int]]:
@@ -79,14 +52,15 @@ def test_tokens_before_and_after_a_reload_match_each_checkpoint(ckpts) -> None:
     (path_a, hf_a), (path_b, hf_b) = ckpts["a"], ckpts["b"]
     engine = new_engine(path_a)
     version_a, fp_a = engine.model_version, engine.fingerprint
-    assert run(engine, PROMPTS, "a") == [hf_greedy(hf_a, p) for p in PROMPTS]
+    assert run(engine, PROMPTS, "a") == [hf_greedy(hf_a, p, NEW_TOKENS) for p in PROMPTS]
     lm = prepare_weights(str(path_b), engine)
     result = swap_weights(engine, lm, ReloadPolicy.FINISH)
     assert result.previous_version == version_a
     assert engine.model_version != version_a and engine.fingerprint != fp_a
     assert engine.kv.pool.num_cached == 0  # version a's cached blocks are gone
-    expected_b = [hf_greedy(hf_b, p) for p in PROMPTS]
-    assert expected_b != [hf_greedy(hf_a, p) for p in PROMPTS]  # the test can tell them apart
+    expected_b = [hf_greedy(hf_b, p, NEW_TOKENS) for p in PROMPTS]
+    # The test can tell the versions apart.
+    assert expected_b != [hf_greedy(hf_a, p, NEW_TOKENS) for p in PROMPTS]
     assert run(engine, PROMPTS, "b") == expected_b
     # The same prompt hashes to other blocks under the new version.
     prompt = PROMPTS[0]
