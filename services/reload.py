@@ -80,11 +80,10 @@ class Reloader:
     def __init__(self, ns: argparse.Namespace, held: dict[str, str]) -> None:
         self.ns = ns
         self.held = held
-        self.channel = insecure_channel(ns.router,
-                                        credentials=auth.metadata([auth.CLIENT], held))
-        self.router = router_pb2_grpc.RouterStub(self.channel)
+        self.router: router_pb2_grpc.RouterStub | None = None
 
     async def state(self) -> dict[str, router_pb2.InstanceState]:
+        assert self.router is not None, "run() opens the router channel"
         resp = await self.router.ClusterState(router_pb2.ClusterStateRequest(), timeout=10)
         return {i.instance_id: i for i in resp.instances}
 
@@ -117,7 +116,9 @@ class Reloader:
                 "out_of_rotation_ms": round((time.perf_counter() - start) * 1e3, 1)}
 
     async def run(self) -> list[dict[str, object]]:
-        async with self.channel:
+        creds = auth.metadata([auth.CLIENT], self.held)
+        async with insecure_channel(self.ns.router, credentials=creds) as channel:
+            self.router = router_pb2_grpc.RouterStub(channel)
             return await self._run()
 
     async def _run(self) -> list[dict[str, object]]:
