@@ -90,6 +90,7 @@ def swap_weights(engine: Engine, lm: LoadedModel, policy: ReloadPolicy) -> SwapR
                            f"{len(sched.waiting)} queued requests have not finished")
     num_reprefilled = _requeue_all(engine)
     runner = engine.runner
+    old_model = runner.model
     if runner.graphs is not None:
         # The captured graphs read the old tensors' addresses: copy the values in.
         new = dict(lm.model.named_parameters())
@@ -105,6 +106,7 @@ def swap_weights(engine: Engine, lm: LoadedModel, policy: ReloadPolicy) -> SwapR
     engine.config = lm.config
     previous, engine.model_version = engine.model_version, lm.version or new_fp
     engine.kv.pool.reset_prefix_cache()  # unreferenced old-version blocks: never hit again
+    del old_model  # its memory is freed here, inside the measured pause
     return SwapResult(previous, time.perf_counter() - start, num_reprefilled)
 
 
