@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import sys
@@ -60,7 +61,8 @@ async def bench_model(model: str, other: str, args: argparse.Namespace) -> dict[
     idle_swaps = []
     for i in range(args.repeats):  # idle: FINISH, nothing in flight
         lm = await asyncio.to_thread(prepare_weights, pair[(i + 1) % 2], engine)
-        result = await aengine.call(lambda e, lm=lm: swap_weights(e, lm, ReloadPolicy.FINISH))
+        result = await aengine.call(functools.partial(swap_weights, lm=lm,
+                                                      policy=ReloadPolicy.FINISH))
         idle_swaps.append(result.swap_s * 1e3)
     stamps: list[list[float]] = [[] for _ in range(args.streams)]
     tasks = [asyncio.create_task(_stream(aengine, f"s{k}", stamps[k]))
@@ -72,8 +74,8 @@ async def bench_model(model: str, other: str, args: argparse.Namespace) -> dict[
         lm = await asyncio.to_thread(prepare_weights, pair[i % 2], engine)
         loads.append((time.perf_counter() - start) * 1e3)
         swap_at.append(time.perf_counter())
-        result = await aengine.call(lambda e, lm=lm: swap_weights(e, lm,
-                                                                   ReloadPolicy.REPREFILL))
+        result = await aengine.call(functools.partial(swap_weights, lm=lm,
+                                                      policy=ReloadPolicy.REPREFILL))
         busy_swaps.append(result.swap_s * 1e3)
         await asyncio.sleep(args.warmup)
     for rid in range(args.streams):

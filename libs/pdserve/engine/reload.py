@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from pdserve.engine.engine import Engine
     from pdserve.models import LoadedModel
 
-# Fields that may differ between two versions of one architecture.
-_VERSIONED = {"fingerprint": "-", "eos_token_ids": ()}
 
 
 class ReloadPolicy(enum.Enum):
@@ -52,8 +50,9 @@ class SwapResult(NamedTuple):
 def check_same_architecture(old: ModelConfig, new: ModelConfig, source: str) -> None:
     """Raise BadRequest naming the first differing config fields: the KV cache, the kernels
     and every block in flight are shaped for ``old``."""
-    a = dataclasses.replace(old, **_VERSIONED)
-    b = dataclasses.replace(new, **_VERSIONED)
+    # Only these may differ between two versions of one architecture.
+    a = dataclasses.replace(old, fingerprint="-", eos_token_ids=())
+    b = dataclasses.replace(new, fingerprint="-", eos_token_ids=())
     if a == b:
         return
     diffs = [f"{f.name} {getattr(a, f.name)!r} -> {getattr(b, f.name)!r}"

@@ -1,6 +1,6 @@
 """What a model's files say without loading its weights (no torch): the built-in models'
-tokenizer, a checkpoint's weight files, its weights' version and its fingerprint. The router reads these; the
-loader builds on them."""
+tokenizer, a checkpoint's weight files, its weights' version and its fingerprint. The router
+reads these; the loader builds on them."""
 
 from __future__ import annotations
 
