@@ -111,7 +111,9 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
                     token_ids=[100 + i], text=f"t{i}",
                     finish_reason=(common_pb2.FINISH_REASON_LENGTH if last
                                    else common_pb2.FINISH_REASON_UNSPECIFIED),
-                    usage=common_pb2.Usage(cached_tokens=4) if last else None)
+                    usage=common_pb2.Usage(cached_tokens=4,
+                                           model_version=self.stats.model_version)
+                    if last else None)
                 if self.decode_hang:
                     await asyncio.sleep(3600)
         except asyncio.CancelledError:
