@@ -129,3 +129,24 @@ def test_weights_version_follows_the_content(ckpts, tmp_path: Path) -> None:
     assert [f.stat().st_size for f in fa] == [f.stat().st_size for f in fb]
     assert files.weights_version(fa) != files.weights_version(fb)
     assert files.fingerprint(text, fa) != files.fingerprint(text, fb)
+
+
+class _NoGraphFits:
+    """Stands in for captured CUDA graphs (CPU has none): no batch fits, so every step runs
+    eager, on the very parameter tensors a graph would have captured."""
+
+    def run(self, *args: object) -> None:
+        return None
+
+
+def test_under_cuda_graphs_the_new_weights_are_copied_into_the_captured_tensors(
+        ckpts) -> None:
+    (path_a, _), (path_b, hf_b) = ckpts["a"], ckpts["b"]
+    engine = new_engine(path_a)
+    engine.runner.graphs = _NoGraphFits()  # type: ignore[assignment]
+    model = engine.runner.model
+    captured = {n: p.data_ptr() for n, p in model.named_parameters()}
+    swap_weights(engine, prepare_weights(str(path_b), engine), ReloadPolicy.FINISH)
+    assert engine.runner.model is model  # same module, same storage, new values
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == captured
+    assert run(engine, PROMPTS, "b") == [hf_greedy(hf_b, p, NEW_TOKENS) for p in PROMPTS]
