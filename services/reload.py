@@ -47,6 +47,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="in-flight requests at the swap (the engines drain first either way)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds each step of one instance may take")
+    p.add_argument("--allow-downtime", action="store_true",
+                   help="reload even a role's only engine (its requests fail meanwhile)")
     p.add_argument("--json", action="store_true", help="print one JSON line per instance")
     return p.parse_args(argv)
 
@@ -61,6 +63,21 @@ def held_secrets(directory: str) -> dict[str, str]:
     files = {f"{c.var}_FILE": str(path / c.var) for c in auth.CREDENTIALS
              if (path / c.var).is_file()}
     return auth.secrets(files)
+
+
+def check_capacity(instances: Sequence[router_pb2.InstanceState]) -> None:
+    """Raise unless every role present has two engines: taking out the only one of a role
+    leaves no same-version pair serving, and requests fail meanwhile."""
+    for role in (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_COLOCATED):
+        of_role = [i.instance_id for i in instances if i.role == role]
+        if len(of_role) == 1:
+            raise ReloadError(f"{of_role[0]} is the only {_ROLE_NAMES[role]} engine: while it "
+                              "reloads nothing could serve; a rolling reload needs two of each "
+                              "role (or --allow-downtime)")
+
+
+_ROLE_NAMES = {common_pb2.ROLE_PREFILL: "prefill", common_pb2.ROLE_DECODE: "decode",
+               common_pb2.ROLE_COLOCATED: "colocated"}
 
 
 def order(instances: Sequence[router_pb2.InstanceState]) -> list[router_pb2.InstanceState]:
@@ -128,6 +145,8 @@ class Reloader:
             raise ReloadError(f"the router at {self.ns.router} knows "
                               f"{'no instances' if not instances else 'unhealthy ones: '}"
                               f"{', '.join(down)}; a rolling reload needs every engine up")
+        if not self.ns.allow_downtime:
+            check_capacity(instances)
         rows = []
         for inst in order(instances):
             try:
