@@ -108,7 +108,7 @@ def test_rolling_reload_under_load(stack: UpStack, versions: dict[str, tuple[Pat
              "--router", stack.router, "--secrets", stack.secrets_dir],
             cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
         finished = time.monotonic()
-        time.sleep(1.0)  # requests after the reload too
+        time.sleep(2.0)  # requests after the reload too
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count(f"-> {new}") == 4, proc.stdout  # every engine, one at a time
     assert not load.errors, load.errors[:5]

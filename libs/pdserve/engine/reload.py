@@ -103,6 +103,7 @@ def swap_weights(engine: Engine, lm: LoadedModel, policy: ReloadPolicy) -> SwapR
     engine.fingerprint = new_fp + engine.fingerprint.removeprefix(old_fp)
     engine.kv.fingerprint = engine.fingerprint
     engine.config = lm.config
+    engine.eos_token_ids = frozenset(lm.config.eos_token_ids)  # for requests added from now
     previous, engine.model_version = engine.model_version, lm.version or new_fp
     engine.kv.pool.reset_prefix_cache()  # unreferenced old-version blocks: never hit again
     del old_model  # its memory is freed here, inside the measured pause
