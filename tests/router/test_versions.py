@@ -54,3 +54,27 @@ async def test_the_larger_group_serves_until_the_new_one_catches_up(cluster: Clu
     await router.poll()
     for p, d, version in await placements(client, 4):
         assert (p, d, version) in {("P1", "D1", "v1"), ("P2", "D1", "v1")}
+
+
+async def test_a_decode_reloaded_after_placement_is_not_handed_old_blocks(
+        cluster: Cluster) -> None:
+    """Placed on a decode that a rolling reload swaps while the prompt is prefilled: the
+    blocks go to a decode still serving their version instead."""
+    p = await cluster.engine("P", "prefill")
+    decodes = [await cluster.engine(f"D{i}", "decode") for i in range(2)]
+    for e in (p, *decodes):
+        set_version(e, "v1")
+    router, client = await cluster.router([p], decodes)
+
+    async def reload_the_chosen_decode(request) -> None:  # type: ignore[no-untyped-def]
+        chosen = next(d for d in decodes if d.node == request.destination.node_id)
+        set_version(chosen, "v2")
+        await router.poll()
+        p.on_prefill = None
+
+    p.on_prefill = reload_the_chosen_decode
+    msgs = await client.generate(ids=PROMPT)
+    chosen = msgs[0].placement.decode_instance
+    other = next(d for d in decodes if d.name != chosen)
+    assert [d.name for d in decodes if d.seen.decodes] == [other.name]
+    assert msgs[-1].usage.model_version == "v1"
