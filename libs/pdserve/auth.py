@@ -3,8 +3,8 @@
     credential  metadata key      variable               held by          checked by
     data        x-pdserve-secret  PDSERVE_SECRET         router, engines, engines (Prefill, Decode,
                                                          kvds             Stats), kvds
-    admin       x-pdserve-admin   PDSERVE_ADMIN_SECRET   router           engines (Drain, SetRole,
-                                                                          Abort)
+    admin       x-pdserve-admin   PDSERVE_ADMIN_SECRET   router,          engines (Drain, SetRole,
+                                                         pdserve reload   Abort, LoadWeights)
     client      x-pdserve-client  PDSERVE_CLIENT_SECRET  gateway, gRPC    router
                                                          clients
 

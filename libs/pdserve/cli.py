@@ -1,9 +1,10 @@
 """The ``pdserve`` command: one subcommand per job, each implemented where its code lives.
 
     pdserve up         the local stack (Redis, kvd, engines, router, gateway)
+    pdserve reload     a rolling reload of a running stack's weights (--model DIR)
     pdserve generate   offline generation with the built-in or a local model
     pdserve bench X    benchmarks: engine, transfer, router, serve, compare, detok, cluster,
-                       faults, all
+                       faults, reload, all
     pdserve sim        the P:D controller on a simulated cluster (the bench extra)
     pdserve <service>  one service: gateway, router, prefill, decode, kvd
     pdserve env        every PDSERVE_* variable and what it accepts
@@ -19,6 +20,7 @@ from typing import Any
 # subcommand -> "module:function" taking argv and returning an exit code
 COMMANDS: dict[str, str] = {
     "up": "services.launcher:main",
+    "reload": "services.reload:main",
     "generate": "pdserve.engine.cli:generate_main",
     "gateway": "services.gateway.__main__:main",
     "router": "services.router.__main__:main",
@@ -38,6 +40,7 @@ BENCHMARKS: dict[str, str] = {
     "detok": "pdserve_bench.detok:main",
     "cluster": "pdserve_bench.cluster_bench:main",
     "faults": "pdserve_bench.faults:main",
+    "reload": "pdserve_bench.reload:main",
 }
 # Whose settings ``pdserve env`` lists.
 CONFIGS = ("services.gateway.config:GatewayConfig", "services.router.config:RouterConfig",

@@ -36,7 +36,8 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
         with inst.admit(Role.DECODE, Role.COLOCATED):
             timeout = kvd_timeout(context, inst.config.kvd_timeout)
             async for chunk in run_decode(inst, job, timeout):
-                yield _chunk_to_proto(chunk, job.prompt, inst.engine.tokenizer)
+                yield _chunk_to_proto(chunk, job.prompt, inst.engine.tokenizer,
+                                      inst.engine.model_version)
 
 
 def _job_from_proto(request: engine_pb2.DecodeRequest, rid: str,
@@ -56,8 +57,8 @@ def _job_from_proto(request: engine_pb2.DecodeRequest, rid: str,
     return DecodeJob(rid, prompt, params, first, blocks, source, request.meta.priority, salt)
 
 
-def _chunk_to_proto(chunk: Chunk, prompt: list[int],
-                    tokenizer: Tokenizer | None) -> engine_pb2.DecodeChunk:
+def _chunk_to_proto(chunk: Chunk, prompt: list[int], tokenizer: Tokenizer | None,
+                    model_version: str) -> engine_pb2.DecodeChunk:
     out = engine_pb2.DecodeChunk(
         token_ids=chunk.token_ids, text=chunk.text,
         logprobs=[logprobs_to_proto(t, lp, tokenizer) for t, lp in chunk.logprobs],
@@ -68,5 +69,6 @@ def _chunk_to_proto(chunk: Chunk, prompt: list[int],
     if chunk.finish_reason is not None:
         out.usage.CopyFrom(common_pb2.Usage(prompt_tokens=len(prompt),
                                             completion_tokens=chunk.completion_tokens,
-                                            cached_tokens=chunk.cached_tokens))
+                                            cached_tokens=chunk.cached_tokens,
+                                            model_version=model_version))
     return out

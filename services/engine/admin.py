@@ -1,4 +1,5 @@
-"""The Engine admin service every engine instance serves: Stats, Drain, SetRole, Abort."""
+"""The Engine admin service every engine instance serves: Stats, Drain, SetRole, Abort,
+LoadWeights."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 
 import grpc
 
+from pdserve.engine.reload import ReloadPolicy
 from pdserve.engine.request import EngineStats as CoreStats
 from pdserve.errors import BadRequest
 from pdserve.proto.v1 import engine_pb2, engine_pb2_grpc
@@ -44,7 +46,8 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
         prefill_rate, decode_rate = inst.aengine.window.rates(time.monotonic())
         kvd = inst.bridge.endpoint if inst.bridge is not None else None
         return engine_pb2.EngineStats(
-            instance_id=inst.instance_id, role=inst.role.proto, model=inst.config.model,
+            instance_id=inst.instance_id, role=inst.role.proto,
+            model=inst.model_source, model_version=inst.engine.model_version,
             queue_depth=core.num_waiting, num_running=core.num_running,
             kv_blocks_free=core.num_blocks_free, kv_blocks_used=core.num_blocks_used,
             prefill_tokens_per_s=prefill_rate, decode_tokens_per_s=decode_rate,
@@ -75,3 +78,26 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
             raise BadRequest("request_id must not be empty")
         found = await self.instance.aengine.abort(request.request_id)
         return engine_pb2.AbortResponse(found=found)
+
+    @rpc_handler("LoadWeights")
+    async def LoadWeights(self, request: engine_pb2.LoadWeightsRequest,
+                          context: grpc.aio.ServicerContext) -> engine_pb2.LoadWeightsResponse:
+        if not request.model:
+            raise BadRequest("model must not be empty: give a checkpoint directory")
+        policy = _POLICIES.get(request.policy)
+        if policy is None:
+            raise BadRequest(f"policy: unknown ReloadPolicy {request.policy}")
+        report = await self.instance.load_weights(request.model, policy, request.resume)
+        return engine_pb2.LoadWeightsResponse(
+            model_version=self.instance.engine.model_version,
+            previous_model_version=report.swap.previous_version,
+            kv_fingerprint=self.instance.engine.fingerprint, load_ms=report.load_ms,
+            wait_ms=report.wait_ms, swap_ms=report.swap.swap_s * 1e3,
+            num_reprefilled=report.swap.num_reprefilled)
+
+
+_POLICIES = {
+    engine_pb2.RELOAD_POLICY_UNSPECIFIED: ReloadPolicy.FINISH,
+    engine_pb2.RELOAD_POLICY_FINISH: ReloadPolicy.FINISH,
+    engine_pb2.RELOAD_POLICY_REPREFILL: ReloadPolicy.REPREFILL,
+}

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import torch
@@ -21,6 +22,7 @@ import torch
 from pdserve import auth
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import Engine
+from pdserve.engine.reload import ReloadPolicy, SwapResult, prepare_weights, swap_weights
 from pdserve.errors import BadRequest, StatusError
 from pdserve.kvd.bridge import KvBridge
 from pdserve.kvd.client import KvdClient
@@ -30,6 +32,12 @@ from services.engine.config import EngineServiceConfig
 from services.engine.convert import EngineLimits
 
 log = logging.getLogger(__name__)
+
+
+class ReloadReport(NamedTuple):
+    swap: SwapResult
+    load_ms: float
+    wait_ms: float
 
 
 class EngineInstance:
@@ -43,6 +51,8 @@ class EngineInstance:
         self.num_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.model_source = config.model  # what the served weights were loaded from
+        self._reloading = False
         self.bridge: KvBridge | None = None  # when --kvd is set
         self.kvd_link: KvdLink | None = None
         self.address = ""
@@ -153,6 +163,44 @@ class EngineInstance:
         self.role = role
         self.draining = False
         log.info("role switched", extra={"fields": {"role": role}})
+
+
+    async def load_weights(self, source: str, policy: ReloadPolicy,
+                           resume: bool) -> ReloadReport:
+        """Prepare ``source``'s weights off the step loop, then swap them in at a step
+        boundary (``pdserve.engine.reload``). ``resume``: accept work again afterwards, also
+        when the load failed (a drained instance goes back into rotation)."""
+        if self._reloading:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "LoadWeights: another LoadWeights is running on this instance")
+        if policy is ReloadPolicy.REPREFILL and self.role == Role.PREFILL:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              "policy: RELOAD_POLICY_REPREFILL is for decode and colocated "
+                              "instances; a prefill instance's in-flight blocks are already "
+                              "promised under the old version (use RELOAD_POLICY_FINISH)")
+        self._reloading, was_draining = True, self.draining
+        try:
+            return await self._load_weights(source, policy)
+        finally:  # swapped or not (then the old weights serve on), as asked
+            self._reloading = False
+            self.draining = False if resume else was_draining
+
+    async def _load_weights(self, source: str, policy: ReloadPolicy) -> ReloadReport:
+        start = time.perf_counter()
+        lm = await asyncio.to_thread(prepare_weights, source, self.engine)
+        loaded = time.perf_counter()
+        if policy is ReloadPolicy.FINISH:
+            self.draining = True  # in-flight requests finish on the old weights
+            await self._idle.wait()
+            while await self.aengine.call(lambda e: e.has_unfinished()):
+                await asyncio.sleep(0.005)  # streams the last RPCs left, still stepping
+        waited = time.perf_counter()
+        result = await self.aengine.call(lambda e: swap_weights(e, lm, policy))
+        self.model_source = source
+        log.info("weights reloaded", extra={"fields": {
+            "model": source, "version": self.engine.model_version,
+            "swap_ms": round(result.swap_s * 1e3, 2)}})
+        return ReloadReport(result, (loaded - start) * 1e3, (waited - loaded) * 1e3)
 
 
 def kvd_timeout(context: grpc.aio.ServicerContext, default: float) -> float:

@@ -33,7 +33,8 @@ _DECODE = (engine_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer, "Decode
 _ADMIN = (engine_pb2_grpc.add_EngineServicer_to_server, EngineAdminServicer, "Engine")
 # Admin calls need the admin credential (the router's); every other call the data one.
 RULES: auth.Rules = [
-    *((f"/pdserve.v1.Engine/{rpc}", auth.ADMIN) for rpc in ("Drain", "SetRole", "Abort")),
+    *((f"/pdserve.v1.Engine/{rpc}", auth.ADMIN) for rpc in ("Drain", "SetRole", "Abort",
+                                                                 "LoadWeights")),
     *((f"/pdserve.v1.{service}/", auth.DATA) for service in ("Engine", "Prefill", "Decode")),
 ]
 SERVICERS_BY_ROLE = {

@@ -90,8 +90,10 @@ def usage_of(choices: Sequence[ChoiceOutput], n: int) -> dict[str, object]:
         prompt += first.usage.prompt_tokens if first.usage is not None else first.prompt_tokens
         cached += first.usage.cached_tokens if first.usage is not None else 0
     completion = sum(c.completion_tokens for c in choices)
+    version = next((c.usage.model_version for c in choices if c.usage is not None), "")
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+            "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached},
+            "model_version": version}  # pdserve's: the weights version that answered
 
 
 class Generation:

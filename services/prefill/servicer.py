@@ -58,7 +58,8 @@ def _result_to_proto(result: PrefillResult, inst: EngineInstance,
         timings=engine_pb2.PrefillTimings(queue_ms=result.queue_ms,
                                           compute_ms=result.compute_ms,
                                           commit_ms=result.commit_ms),
-        finish_reason=finish_to_proto(result.finish_reason), text=result.text)
+        finish_reason=finish_to_proto(result.finish_reason), text=result.text,
+        model_version=inst.engine.model_version)
     if result.first_logprob is not None and job.params.logprobs is not None:
         out.first_logprobs.CopyFrom(logprobs_to_proto(result.first_token_id,
                                                       result.first_logprob,

@@ -103,6 +103,7 @@ class Router:
     poll_interval: float = 1.0
     tool_call_parser: str = "auto"
     counters: RouterCounters = field(default_factory=RouterCounters)
+    fingerprint_order: dict[str, int] = field(default_factory=dict)  # first seen: 0, 1, ...
     num_in_flight: int = 0
     _poll_task: asyncio.Task[None] | None = None
     _background: set[asyncio.Task[object]] = field(default_factory=set)
@@ -209,16 +210,21 @@ class Router:
 
     def _group(self) -> Group:
         """The healthy instances that can serve together: prefill and decode engines (else
-        colocated ones) sharing one block fingerprint, the largest such group. An engine
+        colocated ones) sharing one block fingerprint (so one weights version), the largest
+        such group, the newest of equal ones. An engine
         that has not reported its fingerprint is taken to use the model's."""
         groups: dict[str, Group] = {}
         for role in (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_COLOCATED):
             for inst in self.pool.healthy(role):
                 fp = inst.stats.kv_fingerprint or self.model.fingerprint
                 groups.setdefault(fp, Group(fp)).add(role, inst)
+        for fp in groups:  # a rolling reload's new version is seen after the old one
+            self.fingerprint_order.setdefault(fp, len(self.fingerprint_order))
         disaggregated = [g for g in groups.values() if g.prefills and g.decodes]
         colocated = [g for g in groups.values() if g.colocated]
-        best = max(disaggregated or colocated, key=Group.size, default=None)
+        # Equal sizes: the newest version wins, so the old one drains as a reload proceeds.
+        best = max(disaggregated or colocated, default=None,
+                   key=lambda g: (g.size(), self.fingerprint_order[g.fingerprint]))
         if best is None:
             raise StatusError(grpc.StatusCode.UNAVAILABLE, self._no_capacity())
         return best
@@ -309,5 +315,5 @@ class Router:
                 queue_depth=s.queue_depth, num_running=s.num_running,
                 kv_blocks_free=s.kv_blocks_free, prefill_tokens_per_s=s.prefill_tokens_per_s,
                 decode_tokens_per_s=s.decode_tokens_per_s, num_routed=i.num_routed,
-                num_errors=i.num_errors)
+                num_errors=i.num_errors, model_version=s.model_version)
         return out

@@ -141,6 +141,7 @@ def _first_message(flow: Flow, response: engine_pb2.PrefillResponse,
     if response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
         message.finish_reason = response.finish_reason
         message.usage.CopyFrom(flow.usage(response.cached_tokens))
+        message.usage.model_version = response.model_version
     return message
 
 
@@ -169,6 +170,8 @@ async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
     it to the client overlaps the decode RPC's setup instead of preceding it."""
     assert flow.choice is not None and flow.query is not None
     decode, tried = flow.choice.decode, []
+    if not _can_take(flow, decode):  # drained or reloaded (rolling reload) since chosen
+        decode = _next_decode(flow, policy, decodes, [decode.address]) or decode
     for attempt in range(flow.max_retries + 1):
         chunks_before = flow.num_decode_chunks
         try:
@@ -219,7 +222,7 @@ async def prefill_again(flow: Flow, policy: RoutingPolicy, pool: InstancePool, l
 def _next_decode(flow: Flow, policy: RoutingPolicy, decodes: Sequence[Instance],
                  tried: list[str]) -> Instance | None:
     assert flow.choice is not None and flow.query is not None
-    left = [d for d in decodes if d.address not in tried and d.is_healthy]
+    left = [d for d in decodes if d.address not in tried and _can_take(flow, d)]
     prefill = flow.choice.prefill
     choice = policy.choose(flow.query, [prefill] if prefill else [], left) if left else None
     if choice is None:
@@ -227,6 +230,14 @@ def _next_decode(flow: Flow, policy: RoutingPolicy, decodes: Sequence[Instance],
     if prefill is None:  # colocated: the new engine is the whole placement
         flow.choice = choice
     return choice.decode
+
+
+def _can_take(flow: Flow, decode: Instance) -> bool:
+    """Healthy, and serving the weights version that computed the request's blocks: a
+    rolling reload may have swapped it since the request was placed."""
+    pre = flow.prefill_response
+    version, serving = pre.model_version if pre is not None else "", decode.stats.model_version
+    return decode.is_healthy and (not version or not serving or serving == version)
 
 
 async def _relay_one(flow: Flow, decode: Instance, first: router_pb2.GenerateResponse | None,
@@ -255,6 +266,7 @@ async def _relay_one(flow: Flow, decode: Instance, first: router_pb2.GenerateRes
                 pre = flow.prefill_response
                 cached = pre.cached_tokens if pre is not None else chunk.usage.cached_tokens
                 message.usage.CopyFrom(flow.usage(cached))
+                message.usage.model_version = chunk.usage.model_version
                 yield message
                 return
             yield message

@@ -9,7 +9,7 @@ status code (fail) or None (behave) per call.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -43,6 +43,8 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
         self.decode_hang = False  # stream one chunk, then wait until cancelled
         self.prefill_hang = False
         self.prefill_finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        # awaited with each PrefillRequest, before it answers
+        self.on_prefill: Callable[[engine_pb2.PrefillRequest], Awaitable[None]] | None = None
         self.stats = engine_pb2.EngineStats()
         self.seen = Seen()
         self.server: grpc.aio.Server | None = None
@@ -87,12 +89,15 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
             except asyncio.CancelledError:
                 self.seen.cancelled.append(request.meta.request_id)
                 raise
+        if self.on_prefill is not None:
+            await self.on_prefill(request)
         bs = 4
         blocks = [common_pb2.BlockRef(hash=i.to_bytes(32, "big"), node_id=self.node)
                   for i in range(len(request.prompt_token_ids) // bs)]
         return engine_pb2.PrefillResponse(
             first_token_id=self.first_token, blocks=blocks, text=f"<{self.first_token}>",
             cached_tokens=0, finish_reason=self.prefill_finish,
+            model_version=self.stats.model_version,
             source=common_pb2.KvdEndpoint(node_id=self.node, address="127.0.0.1:1"))
 
     async def Decode(self, request: engine_pb2.DecodeRequest,  # noqa: N802
@@ -111,7 +116,9 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
                     token_ids=[100 + i], text=f"t{i}",
                     finish_reason=(common_pb2.FINISH_REASON_LENGTH if last
                                    else common_pb2.FINISH_REASON_UNSPECIFIED),
-                    usage=common_pb2.Usage(cached_tokens=4) if last else None)
+                    usage=common_pb2.Usage(cached_tokens=4,
+                                           model_version=self.stats.model_version)
+                    if last else None)
                 if self.decode_hang:
                     await asyncio.sleep(3600)
         except asyncio.CancelledError:

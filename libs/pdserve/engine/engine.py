@@ -51,6 +51,7 @@ class Engine:
         self.kv_dtype = str(cfg.dtype).removeprefix("torch.")
         # What this engine's block hashes cover besides tokens (shared with kvd and router).
         self.fingerprint = kv_fingerprint(cfg.fingerprint, self.kv_dtype)
+        self.model_version = lm.version or cfg.fingerprint  # changes with reload.swap_weights
         self.kv = KVCacheManager(parts.num_blocks, args.block_size, self.fingerprint,
                                  args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)

@@ -1,6 +1,6 @@
 """What a model's files say without loading its weights (no torch): the built-in models'
-tokenizer, a checkpoint's weight files and its fingerprint. The router reads these; the
-loader builds on them."""
+tokenizer, a checkpoint's weight files, its weights' version and its fingerprint. The router
+reads these; the loader builds on them."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ import hashlib
 import json
 from pathlib import Path
 
+import xxhash
+
 from pdserve.models import builtin_vocab as btok
 from pdserve.tokenizer import Tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
+_CHUNK = 16 * 2**20
 
 
 def builtin_tokenizer() -> Tokenizer:
@@ -41,10 +44,25 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def fingerprint(config_text: str, files: list[Path]) -> str:
-    """sha256 of config.json's text and the sorted weight file names and sizes (no full read:
-    a re-exported checkpoint with other bytes but equal sizes is assumed to be the same)."""
+def weights_version(files: list[Path]) -> str:
+    """The weights' version: xxh3-128 of the weight files' bytes, in name order. Two
+    checkpoints of one architecture differ in nothing else (config, names and sizes alike),
+    so only the content tells a retrained or reloaded checkpoint apart. xxh3 reads at memory
+    speed (~30 ms for SmolLM2-135M's 270 MB from the page cache)."""
+    h = xxhash.xxh3_128()
+    for file in sorted(files, key=lambda f: f.name):
+        with file.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def fingerprint(config_text: str, files: list[Path], version: str | None = None) -> str:
+    """sha256 of config.json's text, the sorted weight file names and sizes and the weights'
+    version (``weights_version``, computed when not given): blocks computed by one checkpoint
+    never serve another, even of the same architecture (hot reload)."""
     h = hashlib.sha256(config_text.encode())
     for file in sorted(files, key=lambda f: f.name):
         h.update(f"\n{file.name}:{file.stat().st_size}".encode())
+    h.update(f"\nweights:{version or weights_version(files)}".encode())
     return h.hexdigest()

@@ -16,7 +16,7 @@ from pdserve.models import builtin
 from pdserve.models.base import CausalLM
 from pdserve.models.config import ModelConfig, parse_hf_config, resolve_dtype
 from pdserve.models.decoder import DecoderLM
-from pdserve.models.files import builtin_tokenizer, fingerprint, weight_files
+from pdserve.models.files import builtin_tokenizer, fingerprint, weight_files, weights_version
 from pdserve.tokenizer import Tokenizer
 
 _PROGRESS_MIN_BYTES = 100 * 2**20
@@ -27,6 +27,7 @@ class LoadedModel:
     model: CausalLM
     config: ModelConfig
     tokenizer: Tokenizer
+    version: str = ""  # the weights' version (files.weights_version; a built-in's name@seed)
 
 
 def load_model(
@@ -85,7 +86,8 @@ def _load_builtin(name: str, seed: int, dtype: str, device: torch.device) -> Loa
         fingerprint=builtin.fingerprint(name, seed),
     )
     model = _build(config, device, builtin.iter_weights(name, seed))
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer,
+                       version=config.fingerprint)
 
 
 def _iter_files(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -113,9 +115,10 @@ def _load_dir(path: Path, dtype: str, device: torch.device) -> LoadedModel:
     if not eos and cfg.get("eos_token_id") is not None:
         raw = cfg["eos_token_id"]
         eos = (raw,) if isinstance(raw, int) else tuple(raw)
+    version = weights_version(files)
     config = parse_hf_config(
         cfg, dtype=resolve_dtype(dtype, cfg, device), eos_token_ids=tuple(eos),
-        fingerprint=fingerprint(config_text, files),
+        fingerprint=fingerprint(config_text, files, version),
     )
     model = _build(config, device, _iter_files(files))
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, version=version)
