@@ -28,6 +28,7 @@ from types import TracebackType
 import grpc
 
 from pdserve import auth, stackfile
+from pdserve.env import REDIS_URL_VAR
 from pdserve.proto.v1 import engine_pb2, engine_pb2_grpc, kvd_pb2, kvd_pb2_grpc
 
 _SERVICE_LINE = re.compile(r"^  (\S+)\s+([\d.]+):(\d+)$")
@@ -74,7 +75,7 @@ class ChaosStack:
     def start(self) -> ChaosStack:
         env = dict(self.env if self.env is not None else os.environ)
         env["PYTHONPATH"] = f"{_ROOT}:{_ROOT / 'libs'}"
-        env.pop("REDIS_URL", None)  # its own private Redis, which it supervises
+        env.pop(REDIS_URL_VAR, None)  # its own private Redis, which it supervises
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "up", "--port", "0", *self.args], cwd=_ROOT,
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
