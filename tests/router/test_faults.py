@@ -40,17 +40,28 @@ async def test_prefill_failure_moves_to_another_instance(cluster: Cluster, code)
     assert by_id["A"].is_healthy
 
 
-async def test_prefill_retries_are_bounded(cluster: Cluster) -> None:
+async def test_busy_prefills_are_waited_for_not_relayed(cluster: Cluster) -> None:
     engines = [await cluster.engine(n, "prefill") for n in "ABC"]
     d = await cluster.engine("D", "decode")
     for e in engines:
         e.prefill_errors = [grpc.StatusCode.RESOURCE_EXHAUSTED]
     _, client = await cluster.router(engines, [d], max_retries=1)
+    msgs = await client.generate(ids=PROMPT)  # busy everywhere at first: waited, then served
+    assert [list(m.token_ids) for m in msgs] == [[7], [100], [101], [102]]
+    assert sum(len(e.seen.prefills) for e in engines) == 3  # one try + one retry, then one
+
+
+async def test_engines_busy_past_max_wait_answer_retry_after(cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    p.prefill_errors = [grpc.StatusCode.RESOURCE_EXHAUSTED] * 1000
+    _, client = await cluster.router([p], [d], max_retries=0, max_wait=0.3)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await client.generate(ids=PROMPT)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "RESOURCE_EXHAUSTED" in err.value.details()
-    assert sum(len(e.seen.prefills) for e in engines) == 2  # one try + one retry
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "every prefill instance is busy" in err.value.details()
+    assert "still busy after waiting" in err.value.details()
+    assert dict(err.value.trailing_metadata() or ())["retry-after"] == "1"
+    assert 2 <= len(p.seen.prefills) < 20  # retried with backoff, not spun
 
 
 async def test_engine_invalid_argument_is_not_retried(cluster: Cluster) -> None:
@@ -281,7 +292,7 @@ async def _eventually(predicate, timeout: float = 3.0) -> None:
 async def test_router_concurrency_limit_answers_retry_after(cluster: Cluster) -> None:
     p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
     d.decode_hang = True
-    _, client = await cluster.router([p], [d], max_concurrent=1)
+    _, client = await cluster.router([p], [d], max_concurrent=1, max_queued=0)
     held = client.stub.Generate(request(ids=PROMPT), timeout=10)
     it = held.__aiter__()
     await it.__anext__()  # the first request is in flight
