@@ -28,6 +28,7 @@ from services.gateway.auth import CacheSalter, KeyStore
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError, bad_request, from_rpc_error, from_validation
 from services.gateway.generate import ChoiceOutput, Generation, collect
+from services.gateway.limits import HEARTBEAT, read_body, request_timeout, with_heartbeats
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router_client import RouterClient
 from services.gateway.schema import ChatCompletionRequest, CompletionRequest
@@ -119,15 +120,23 @@ class Gateway:
         if not self.keys.enabled:
             tenant = req.user or ""  # no keys: the caller says who it is (no isolation)
         salt = self.salter.salt(self.keys.cache_identity(tenant), req.cache_salt)
+        timeout = request_timeout(request.headers, self.config.request_timeout)
         gen = Generation(self.client, outbound_metadata(), req.router_requests(
-            model, inputs, req.completion_limit, req.num_logprobs, rid, tenant, salt), start)
+            model, inputs, req.completion_limit, req.num_logprobs, rid, tenant, salt), start,
+            timeout)
         created = int(time.time())
         logprobs = req.num_logprobs is not None
         try:
             with cancel_on_disconnect(request.receive):
-                await gen.start()
+                try:
+                    await gen.start()
+                except grpc.aio.AioRpcError as exc:
+                    raise self._rpc_error(exc, False, timeout) from exc
                 if not req.stream:
-                    choices = await collect(gen, num_choices, req.calls_finish)
+                    try:
+                        choices = await collect(gen, num_choices, req.calls_finish)
+                    except grpc.aio.AioRpcError as exc:
+                        raise self._rpc_error(exc, True, timeout) from exc
             if req.stream:
                 writer = shapes.ChunkWriter(rid, created, shown, chat, req.include_usage,
                                             logprobs)
@@ -155,7 +164,11 @@ class Gateway:
         try:
             if writer.chat:
                 yield b"".join(writer.role(i) for i in range(num_choices))
-            async for i, msg in gen.messages():
+            async for item in with_heartbeats(gen.messages(), self.config.sse_heartbeat):
+                if item is None:  # silence: tell the client the stream is alive
+                    yield HEARTBEAT
+                    continue
+                i, msg = item
                 choices[i].add(msg, 0)
                 chunk = writer.chunk(i, msg, choices[i].finish)
                 if chunk is not None and choices[i].finish is None:
@@ -173,7 +186,7 @@ class Gateway:
             end.status = exc.status
             tail.append(shapes.sse_error(exc))
         except grpc.aio.AioRpcError as exc:
-            err = self._rpc_error(exc)
+            err = self._rpc_error(exc, True, gen.timeout)
             end.status = err.status
             tail.append(shapes.sse_error(err))
         except Exception:
@@ -185,18 +198,7 @@ class Gateway:
         yield b"".join(tail)
 
     async def _body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body: larger than {limit} bytes", code="body_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body: larger than {limit} bytes",
-                               code="body_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return await read_body(request, self.config.max_body_bytes, self.config.body_timeout)
 
     async def _router_model(self, name: str | None) -> str:
         """``--model-name`` is an alias of the router's model; other names go through as is;
@@ -205,9 +207,10 @@ class Gateway:
             return await self.client.default_model()
         return name or ""
 
-    def _rpc_error(self, exc: grpc.aio.AioRpcError) -> ApiError:
+    def _rpc_error(self, exc: grpc.aio.AioRpcError, started: bool = False,
+                   timeout: float | None = None) -> ApiError:
         self.metrics.router_errors.labels(exc.code().name).inc()
-        return from_rpc_error(exc)
+        return from_rpc_error(exc, started, timeout)
 
     def _account(self, gen: Generation, choices: list[ChoiceOutput], n: int, endpoint: str) -> None:
         usage: dict[str, Any] = shapes.usage_of(choices, n)
