@@ -88,7 +88,8 @@ async def read_body(request: Request, limit: int, idle_timeout: float) -> bytes:
         except TimeoutError:
             of = f" of the {declared} declared" if declared is not None else ""
             raise ApiError(408, f"request body: {size}{of} bytes received, then nothing for "
-                           f"{idle_timeout:g}s (--body-timeout)", code="body_timeout") from None
+                           f"{idle_timeout:g}s (--body-timeout)", code="body_timeout",
+                           headers={"Connection": "close"}) from None
         size += len(chunk)
         if size > limit:
             raise ApiError(413, f"request body: larger than {limit} bytes",

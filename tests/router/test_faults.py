@@ -333,3 +333,19 @@ async def test_a_router_bug_is_internal_with_the_request_id(cluster: Cluster) ->
     assert err.value.details() == ("Generate: internal error (ZeroDivisionError) serving request "
                                    "route-bug; the service log has the details")
     assert router.num_in_flight == 0 and not p.seen.prefills
+
+
+async def test_requests_beyond_max_concurrent_wait_their_turn(cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    d.decode_hang = True
+    router, client = await cluster.router([p], [d], max_concurrent=1)
+    held = client.stub.Generate(request(ids=PROMPT), timeout=10)
+    it = held.__aiter__()
+    await it.__anext__()  # the first request holds the only slot
+    d.decode_hang = False
+    waiting = asyncio.create_task(client.generate(ids=PROMPT))
+    await _eventually(lambda: router.admission.num_queued == 1)
+    assert len(p.seen.prefills) == 1  # queued in the router: no engine work yet
+    held.cancel()
+    assert len(await waiting) == 4  # admitted when the slot came back
+    assert router.admission.num_queued == 0
