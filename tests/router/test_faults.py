@@ -341,7 +341,8 @@ async def test_requests_beyond_max_concurrent_wait_their_turn(cluster: Cluster) 
     router, client = await cluster.router([p], [d], max_concurrent=1)
     held = client.stub.Generate(request(ids=PROMPT), timeout=10)
     it = held.__aiter__()
-    await it.__anext__()  # the first request holds the only slot
+    await it.__anext__()
+    await it.__anext__()  # the first request holds the only slot, hanging in its decode
     d.decode_hang = False
     waiting = asyncio.create_task(client.generate(ids=PROMPT))
     await _eventually(lambda: router.admission.num_queued == 1)
