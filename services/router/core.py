@@ -3,11 +3,17 @@
     Generate(request)
       1. prepare   validate, tokenize (chat through the template, with tools), resolve
                    max_tokens; tool_choice required/named -> sampling.structured
-      2. admit     tenant quota (tokens + concurrency), the router's --max-concurrent
+      1b. limit    its size in bytes is checked before tokenizing; long prompts are
+                   tokenized in a bounded worker pool (``preparing``)
+      2. admit     tenant quota (tokens + concurrency), then the admission queue in front of
+                   --max-concurrent (``admission``: priority, tenants in turn; 429 only when
+                   the queue is full or the deadline cannot be met)
       3. look up   hash the prompt's full blocks; ONE index round trip -> node: blocks held
       4. place     policy.choose(query, healthy prefills, healthy decodes)
       5. prefill   Prefill.Prefill(destination = the decode node's kvd) -> first token;
-                   failed / RESOURCE_EXHAUSTED -> placed again without that instance
+                   failed / RESOURCE_EXHAUSTED -> placed again without that instance; every
+                   instance busy (RESOURCE_EXHAUSTED) -> wait and place again, up to
+                   --max-wait (``Flow.wait_busy``), then 429 with Retry-After
       6. stream    first token + placement; done here when prefill says it is final
       7. decode    Decode.Decode(blocks, first token) -> chunks relayed as they come;
                    fails before its first chunk -> another decode pulls from prefill's kvd;
