@@ -8,6 +8,7 @@ router calls; a router error after the stream started becomes an SSE error event
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -126,10 +127,14 @@ class Gateway:
             timeout)
         created = int(time.time())
         logprobs = req.num_logprobs is not None
+        starting: asyncio.Future[None] | None = None
         try:
             with cancel_on_disconnect(request.receive):
                 try:
-                    await gen.start()
+                    if req.stream:  # see _start_stream
+                        starting = await self._start_stream(gen)
+                    else:
+                        await gen.start()
                 except grpc.aio.AioRpcError as exc:
                     raise self._rpc_error(exc, False, timeout) from exc
                 if not req.stream:
@@ -143,9 +148,12 @@ class Gateway:
                 end = _StreamEnd(self, gen, "chat" if chat else "completions", start,
                                  trace.get_current_span())
                 choices = [ChoiceOutput(req.calls_finish) for _ in range(num_choices)]
-                body = self._stream(gen, writer, choices, req.n, req.include_usage, end)
+                body = self._stream(gen, writer, choices, req.n, req.include_usage, end,
+                                    starting)
                 return SSEResponse(body, end, {**SSE_HEADERS, "x-request-id": rid})
         except BaseException:
+            if starting is not None:
+                starting.cancel()
             gen.cancel()
             raise
         gen.cancel()
@@ -154,14 +162,33 @@ class Gateway:
         return Response(shapes.dumps(build(rid, created, shown, choices, req.n, logprobs)),
                         media_type="application/json", headers={"x-request-id": rid})
 
+    async def _start_stream(self, gen: Generation) -> asyncio.Future[None] | None:
+        """Wait up to one heartbeat for the stream's first messages: an error known by then
+        keeps its HTTP status (a 429 with Retry-After, a 400). A request still waiting (queued
+        for capacity) is answered 200 at once and keeps the connection alive with SSE
+        comments meanwhile: the returned start, which ``_stream`` awaits."""
+        starting = asyncio.ensure_future(gen.start())
+        await asyncio.wait((starting,), timeout=self.config.sse_heartbeat)
+        if not starting.done():
+            return starting
+        starting.result()
+        return None
+
     async def _stream(self, gen: Generation, writer: shapes.ChunkWriter,
-                      choices: list[ChoiceOutput], n: int, include_usage: bool, end: _StreamEnd
-                      ) -> AsyncIterator[bytes]:
+                      choices: list[ChoiceOutput], n: int, include_usage: bool, end: _StreamEnd,
+                      starting: asyncio.Future[None] | None = None) -> AsyncIterator[bytes]:
         num_choices = len(choices)
         # Final chunks wait for the end of the stream so that they, the usage and [DONE] leave
         # in one write: fewer sends per request on the hot path.
         tail: list[bytes] = []
         try:
+            if starting is not None:
+                async for _ in with_heartbeats(_until(starting), self.config.sse_heartbeat):
+                    yield HEARTBEAT
+                try:
+                    starting.result()
+                except grpc.aio.AioRpcError as exc:
+                    raise self._rpc_error(exc, False, gen.timeout) from exc
             if writer.chat:
                 yield b"".join(writer.role(i) for i in range(num_choices))
             async for item in with_heartbeats(gen.messages(), self.config.sse_heartbeat):
@@ -193,6 +220,8 @@ class Gateway:
             end.status = 500
             raise
         finally:
+            if starting is not None and not starting.done():
+                starting.cancel()
             end()
         tail.append(shapes.DONE)
         yield b"".join(tail)
@@ -274,6 +303,13 @@ class Gateway:
         body = {"status": "ok" if ok else "unavailable", "router_serving": ok}
         return Response(shapes.dumps(body), status_code=200 if ok else 503,
                         media_type="application/json")
+
+
+async def _until(future: asyncio.Future[None]) -> AsyncIterator[None]:
+    """Nothing, once ``future`` is done (its outcome is read by the caller)."""
+    await asyncio.wait((future,))
+    return
+    yield  # an async generator
 
 
 def error_response(err: ApiError) -> Response:

@@ -113,3 +113,28 @@ def test_a_failure_mid_stream_is_not_called_no_capacity() -> None:
     mid = from_rpc_error(exc, started=True)
     assert (mid.status, mid.code) == (503, "stream_interrupted")
     assert mid.message == "decode on d0 failed after 3 tokens were sent"
+
+
+def test_a_stream_waiting_for_its_first_token_sends_keep_alives(strict: GatewayServer,
+                                                                stack: Stack) -> None:
+    url = f"http://127.0.0.1:{strict.http_port}/v1/completions"
+    lines: list[str] = []
+    with httpx.stream("POST", url, json={"prompt": "hangfirst", "max_tokens": 5,
+                                         "stream": True}, timeout=10) as r:
+        assert r.status_code == 200  # still waiting after one heartbeat: committed, kept alive
+        for line in r.iter_lines():
+            lines.append(line)
+            if lines.count(": keep-alive") >= 2:
+                break
+    assert not [x for x in lines if x.startswith("data: ")]
+    deadline = time.monotonic() + 5
+    while len(stack.router.cancelled) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stack.router.cancelled, "the client left: its router call was cancelled"
+
+
+def test_an_early_refusal_keeps_its_http_status_when_streaming(strict: GatewayServer) -> None:
+    r = _post(strict, {"prompt": "quota", "max_tokens": 2, "stream": True})
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "7"
+    assert r.json()["error"]["message"] == "tenant token rate exceeded"
