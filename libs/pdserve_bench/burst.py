@@ -1,10 +1,11 @@
 """``pdserve bench burst``: a burst of requests at once against a small KV cache, beside the
 same burst with ample KV — what overload costs when it queues instead of failing.
 
-    pdserve bench burst                               # 64 requests, 40 vs 2048 decode blocks
-    pdserve bench burst --requests 64 --small-blocks 40 --max-tokens 48 --json out.json
+    pdserve bench burst                               # 64 requests, 32 vs 2048 KV blocks
+    pdserve bench burst --requests 64 --small-blocks 32 --max-tokens 24 --json out.json
 
 Each side starts its own ``pdserve up --prefill 1 --decode 1 --engine-arg=--num-blocks=N``
+(every engine gets N blocks; ~100-token prompts need 7 to start)
 (one after the other, never sharing the CPUs), sends every request at the same instant as a
 stream, and measures each one's TTFT (first content chunk) and end-to-end time, and counts
 answers by HTTP status (a 429 or 503 is a refused request). Prints a table and a JSON line.
@@ -42,27 +43,37 @@ class BurstResult:
     wall_s: float = 0.0
 
 
-async def _one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int,
-               ) -> tuple[int, float | None, float]:
+def burst_prompt(i: int, repeats: int) -> str:
+    """Request ``i``'s prompt: ~12 tokens a repeat, distinct per request (no shared prefix)."""
+    return f"Request {i}: " + "tell me a long story about the sea and the ships. " * repeats
+
+
+async def _one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int, repeats: int,
+               ) -> tuple[str, float | None, float]:
+    """(outcome, TTFT, end to end): the HTTP status, or ``200+<code>`` for a stream that
+    started and then ended in an error event."""
     start = time.perf_counter()
     ttft = None
-    body = {"prompt": f"Request {i}: tell me a long story about the sea and the ships " * 2,
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    outcome = ""
+    body = {"prompt": burst_prompt(i, repeats), "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
     async with client.stream("POST", f"{url}/completions", json=body) as response:
         async for line in response.aiter_lines():
             if ttft is None and line.startswith("data: {") and '"text":"' in line:
                 ttft = time.perf_counter() - start
-        return response.status_code, ttft, time.perf_counter() - start
+            if line.startswith('data: {"error"'):
+                outcome = "+" + str(json.loads(line[6:])["error"].get("code"))
+        return f"{response.status_code}{outcome}", ttft, time.perf_counter() - start
 
 
-async def _burst(url: str, num_requests: int, max_tokens: int,
-                 ) -> tuple[list[tuple[int, float | None, float]], float]:
-    limits = httpx.Limits(max_connections=num_requests + 8)
+async def _burst(url: str, args: argparse.Namespace,
+                 ) -> tuple[list[tuple[str, float | None, float]], float]:
+    limits = httpx.Limits(max_connections=args.requests + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await _one(client, url, -1, 4)  # warm up: the first request loads lazy paths
+        await _one(client, url, -1, 4, 1)  # warm up: the first request loads lazy paths
         start = time.perf_counter()
-        results = await asyncio.gather(*(_one(client, url, i, max_tokens)
-                                         for i in range(num_requests)))
+        results = await asyncio.gather(*(_one(client, url, i, args.max_tokens, args.repeats)
+                                         for i in range(args.requests)))
         return list(results), time.perf_counter() - start
 
 
@@ -72,19 +83,19 @@ def run_side(side: str, num_blocks: int, args: argparse.Namespace, log_dir: Path
     print(f"== {side}: {' '.join(argv[2:])}", file=sys.stderr, flush=True)
     with StackProcess(side, argv, env={}, log_path=log_dir / f"{side}.log",
                       ready_timeout_s=300) as info:
-        results, wall = asyncio.run(_burst(info.base_url, args.requests, args.max_tokens))
-    ttfts = [t for code, t, _ in results if code == 200 and t is not None]
-    e2e = [e for code, _, e in results if code == 200]
+        results, wall = asyncio.run(_burst(info.base_url, args))
+    ttfts = [t for code, t, _ in results if code == "200" and t is not None]
+    e2e = [e for code, _, e in results if code == "200"]
     return BurstResult(
         side, num_blocks, args.requests,
-        dict(Counter(str(code) for code, _, _ in results)),
+        dict(Counter(code for code, _, _ in results)),
         percentile(ttfts, 50) if ttfts else float("nan"),
         percentile(ttfts, 99) if ttfts else float("nan"),
         percentile(e2e, 99) if e2e else float("nan"), wall)
 
 
 def format_table(rows: list[BurstResult]) -> str:
-    lines = [f"{'side':<8} {'blocks':>6} {'reqs':>5} {'statuses':<14} {'TTFT p50':>9} "
+    lines = [f"{'side':<8} {'blocks':>6} {'reqs':>5} {'outcomes':<14} {'TTFT p50':>9} "
              f"{'TTFT p99':>9} {'e2e p99':>8} {'wall':>7}"]
     for r in rows:
         statuses = ",".join(f"{k}:{v}" for k, v in sorted(r.statuses.items()))
@@ -98,18 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench burst", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64, help="requests in the burst")
-    parser.add_argument("--max-tokens", type=int, default=48, help="tokens each generates")
-    parser.add_argument("--small-blocks", type=int, default=40,
+    parser.add_argument("--max-tokens", type=int, default=24, help="tokens each generates")
+    parser.add_argument("--repeats", type=int, default=8,
+                        help="prompt length: ~12 tokens a repeat (8: ~100 tokens, 7 blocks)")
+    parser.add_argument("--only", choices=("small", "ample"), help="run one side only")
+    parser.add_argument("--small-blocks", type=int, default=32,
                         help="decode KV blocks of the small side")
     parser.add_argument("--ample-blocks", type=int, default=2048,
                         help="decode KV blocks of the ample side")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="pdserve-burst-") as logs:
-        rows = [run_side("small", args.small_blocks, args, Path(logs)),
-                run_side("ample", args.ample_blocks, args, Path(logs))]
+        sides = {"small": args.small_blocks, "ample": args.ample_blocks}
+        rows = [run_side(side, blocks, args, Path(logs)) for side, blocks in sides.items()
+                if args.only in (None, side)]
     print(format_table(rows))
     out: dict[str, Any] = {"bench": "burst", "max_tokens": args.max_tokens,
+                           "prompt_repeats": args.repeats,
                            "hardware": hardware(), "sides": [asdict(r) for r in rows]}
     print(json.dumps(out))
     if args.json is not None:
