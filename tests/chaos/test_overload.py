@@ -66,8 +66,8 @@ def test_a_burst_against_a_small_kv_cache_queues_and_completes(stack: UpStack) -
     assert errors == []  # no 503 or 429 mid-way: the load waited for KV
     for lines in streams:
         assert lines[-1] == "data: [DONE]"
-        assert json.loads(lines[-2])["usage"]["completion_tokens"] == 24
-        assert json.loads(lines[-3])["choices"][0]["finish_reason"] == "length"
+        assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 24
+        assert json.loads(lines[-3][6:])["choices"][0]["finish_reason"] == "length"
 
 
 def test_huge_prompts_are_refused_at_once_and_stall_nobody(stack: UpStack) -> None:
