@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -159,11 +160,16 @@ class KvAdmission:
         self.num_promised = max(0, self.num_promised - need)
 
 
-_ADMISSIONS: dict[int, KvAdmission] = {}  # per engine instance (id)
+_ADMISSIONS: weakref.WeakKeyDictionary[EngineInstance, KvAdmission] = (
+    weakref.WeakKeyDictionary())
 
 
 def kv_admission(inst: EngineInstance) -> KvAdmission:
-    return _ADMISSIONS.setdefault(id(inst), KvAdmission())
+    """The instance's admission (one per engine instance, gone with it)."""
+    admission = _ADMISSIONS.get(inst)
+    if admission is None:
+        admission = _ADMISSIONS[inst] = KvAdmission()
+    return admission
 
 
 async def _receive_blocks(inst: EngineInstance, job: DecodeJob, timeout: float) -> None:

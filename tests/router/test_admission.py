@@ -5,6 +5,7 @@ runs before tokenizing (``services.router.preparing``)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -13,7 +14,7 @@ from pdserve.errors import StatusError
 from pdserve.proto.v1 import router_pb2
 from services.router.admission import AdmissionQueue
 from services.router.model import load_model_spec
-from services.router.preparing import check_size
+from services.router.preparing import Preparer, check_size
 from services.router.requests import RouterLimits
 
 
@@ -147,3 +148,20 @@ def test_a_huge_prompt_is_refused_before_tokenizing() -> None:
         check_size(chat, _limits())
     assert err.value.message.startswith("chat.messages: 140000 bytes, above the limit")
     check_size(router_pb2.GenerateRequest(prompt="hello"), _limits())
+
+
+async def test_a_full_tokenizer_pool_refuses_with_retry_after() -> None:
+    preparer = Preparer(num_workers=1, max_pending=1)
+    release = threading.Event()
+    busy = asyncio.ensure_future(preparer._offload(lambda: release.wait(5)))
+    await _settle()
+    with pytest.raises(StatusError) as err:
+        await preparer._offload(lambda: True)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.message == ("router: 1 long prompts are being tokenized (at most 1); "
+                                 "try again shortly")
+    assert err.value.retry_after == 1.0
+    release.set()
+    assert await busy is True
+    assert await preparer._offload(lambda: 7) == 7  # room again
+    preparer.close()
