@@ -79,6 +79,7 @@ def test_huge_prompts_are_refused_at_once_and_stall_nobody(stack: UpStack) -> No
         response = _post(stack, {"prompt": prompt, "max_tokens": 2})
         results[name] = (time.monotonic() - start, response)
 
+    send("warm", "Hi")  # the same small request alone first: its own cost, paid once
     threads = [threading.Thread(target=send, args=(f"huge{i}", huge)) for i in range(3)]
     for t in threads:
         t.start()
@@ -87,7 +88,7 @@ def test_huge_prompts_are_refused_at_once_and_stall_nobody(stack: UpStack) -> No
     for t in threads:
         t.join(30)
     took, small = results["small"]
-    assert small.status_code == 200 and took < 1.0
+    assert small.status_code == 200 and took < 1.0, (took, results["warm"][0])
     for i in range(3):
         took, response = results[f"huge{i}"]
         assert response.status_code == 400 and took < 5.0
