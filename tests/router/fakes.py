@@ -44,6 +44,7 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
         self.prefill_hang = False
         self.prefill_finish = common_pb2.FINISH_REASON_UNSPECIFIED
         self.stats = engine_pb2.EngineStats()
+        self.stats_delay = 0.0
         self.seen = Seen()
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -120,6 +121,7 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
 
     async def Stats(self, request: engine_pb2.EngineStatsRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> engine_pb2.EngineStats:
+        await asyncio.sleep(self.stats_delay)  # a busy engine answers late
         out = engine_pb2.EngineStats()
         out.CopyFrom(self.stats)
         out.instance_id, out.role, out.model = self.name, ROLES[self.role], "tiny"

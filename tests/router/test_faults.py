@@ -350,3 +350,20 @@ async def test_requests_beyond_max_concurrent_wait_their_turn(cluster: Cluster) 
     held.cancel()
     assert len(await waiting) == 4  # admitted when the slot came back
     assert router.admission.num_queued == 0
+
+
+async def test_a_busy_engine_stays_in_rotation_until_several_checks_time_out(
+        cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    router, client = await cluster.router([p], [d], health_failures=3)
+    router.pool.check_timeout = 0.2
+    d.stats_delay = 0.5  # connected, answering, but slower than a check may take
+    for _ in range(2):
+        await router.poll()
+        assert router.pool.instances[d.address].is_healthy  # busy, not dead
+    assert len(await client.generate(ids=PROMPT)) == 4
+    await router.poll()  # the third timeout in a row: out
+    assert not router.pool.instances[d.address].is_healthy
+    d.stats_delay = 0.0
+    await router.poll()
+    assert router.pool.instances[d.address].is_healthy
