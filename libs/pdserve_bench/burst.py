@@ -5,7 +5,7 @@ same burst with ample KV — what overload costs when it queues instead of faili
     pdserve bench burst --requests 64 --small-blocks 32 --max-tokens 24 --json out.json
 
 Each side starts its own ``pdserve up --prefill 1 --decode 1 --engine-arg=--num-blocks=N``
-(every engine gets N blocks; ~100-token prompts need 7 to start)
+(every engine gets N blocks; the ~160-token prompts need 11 to start, 12 by their end)
 (one after the other, never sharing the CPUs), sends every request at the same instant as a
 stream, and measures each one's TTFT (first content chunk) and end-to-end time, and counts
 answers by HTTP status (a 429 or 503 is a refused request). Prints a table and a JSON line.
@@ -44,7 +44,8 @@ class BurstResult:
 
 
 def burst_prompt(i: int, repeats: int) -> str:
-    """Request ``i``'s prompt: ~12 tokens a repeat, distinct per request (no shared prefix)."""
+    """Request ``i``'s prompt: ~20 tokens a repeat (the tiny model's tokenizer), distinct per
+    request (no shared prefix)."""
     return f"Request {i}: " + "tell me a long story about the sea and the ships. " * repeats
 
 
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64, help="requests in the burst")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens each generates")
     parser.add_argument("--repeats", type=int, default=8,
-                        help="prompt length: ~12 tokens a repeat (8: ~100 tokens, 7 blocks)")
+                        help="prompt length: ~20 tokens a repeat (8: ~160 tokens, 11 blocks)")
     parser.add_argument("--only", choices=("small", "ample"), help="run one side only")
     parser.add_argument("--small-blocks", type=int, default=32,
                         help="decode KV blocks of the small side")

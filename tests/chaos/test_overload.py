@@ -24,7 +24,7 @@ from pdserve.proto.v1 import router_pb2, router_pb2_grpc
 from pdserve_bench.burst import burst_prompt
 from tests.e2e.stack import UpStack
 
-DECODE_BLOCKS = 32  # 512 tokens: three or four of the burst's requests at a time
+DECODE_BLOCKS = 32  # 512 tokens: two of the burst's requests at a time
 BURST = 64
 
 
@@ -46,8 +46,9 @@ def _post(stack: UpStack, body: dict[str, object], timeout: float = 60,
 
 
 def test_a_burst_against_a_small_kv_cache_queues_and_completes(stack: UpStack) -> None:
-    """Every request's ~100-token prompt needs 7 of the decode's 32 blocks to start: at most
-    four run at once, the rest wait for KV (before: 50 of 64 streams ended no_capacity)."""
+    """Every request's ~160-token prompt needs 11 of the decode's 32 blocks to start (12 by
+    its end): two run at once, the rest wait for KV (before: 50 of 64 streams ended
+    no_capacity)."""
 
     async def one(client: httpx.AsyncClient, i: int) -> list[str]:
         body = {"prompt": burst_prompt(i, 8), "max_tokens": 24, "temperature": 0,
