@@ -21,7 +21,7 @@ import functools
 import inspect
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -97,7 +97,7 @@ def rpc_handler(rpc: str, on_done: OnDone | None = None) -> Callable[[F], F]:
                              context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 span = _server_span(self, rpc, context)
                 current = trace.set_span_in_context(span)
-                items = fn(self, request, context).__aiter__()
+                items: AsyncGenerator[Any, None] = fn(self, request, context)
                 try:
                     async with _idiom(rpc, request, context, on_done, span):
                         while True:
@@ -110,6 +110,10 @@ def rpc_handler(rpc: str, on_done: OnDone | None = None) -> Callable[[F], F]:
                                 otel_context.detach(token)
                             yield item
                 finally:
+                    # A stream abandoned mid-way: the handler's own cleanup (its finally
+                    # blocks: quota and admission slots, engine calls) runs now, in this
+                    # task and context, not later from the garbage collector's.
+                    await items.aclose()
                     span.end()
 
             return stream  # type: ignore[return-value]

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -61,7 +62,31 @@ class Chunk:
     cached_tokens: int = 0
 
 
+def _blocks_needed(inst: EngineInstance, job: DecodeJob) -> int:
+    """Blocks the request takes to start: its prompt's, plus one for the tokens it adds."""
+    return len(job.blocks) + 1 if job.blocks else 0
+
+
 async def run_decode(inst: EngineInstance, job: DecodeJob, timeout: float) -> AsyncIterator[Chunk]:
+    """The request's chunks; a prefilled one first waits for room in the KV cache
+    (``KvAdmission``), its blocks promised until its first chunk shows it running."""
+    admission, need = kv_admission(inst), 0
+    if job.first_token_id is not None:
+        need = _blocks_needed(inst, job)
+        await admission.admit(inst, need, timeout)
+    try:
+        async for chunk in _run_decode(inst, job, timeout):
+            if need:
+                admission.settle(need)
+                need = 0
+            yield chunk
+    finally:
+        if need:
+            admission.settle(need)
+
+
+async def _run_decode(inst: EngineInstance, job: DecodeJob, timeout: float,
+                      ) -> AsyncIterator[Chunk]:
     if job.first_token_id is None:
         if inst.role != Role.COLOCATED:
             raise BadRequest(f"first_token_id is required on a {inst.role} instance; only a "
@@ -92,15 +117,64 @@ async def run_decode(inst: EngineInstance, job: DecodeJob, timeout: float) -> As
             await kept.release()
 
 
+class KvAdmission:
+    """Watermark admission of prefilled requests to one engine's KV cache: a request waits
+    until the free blocks, less those promised to requests admitted but not yet running, cover
+    it; then its share is promised until it runs (its first output), when the engine holds its
+    pages. So a burst queues here for KV that running requests free as they finish, instead of
+    failing after its prefill was done, and concurrent arrivals never over-commit the cache."""
+
+    POLL_S = 0.02
+
+    def __init__(self) -> None:
+        self.num_promised = 0
+        self.num_waiting = 0
+
+    async def admit(self, inst: EngineInstance, need: int, timeout: float) -> None:
+        """Wait for ``need`` blocks (promised on return), or raise RESOURCE_EXHAUSTED."""
+        deadline = time.monotonic() + timeout
+        self.num_waiting += 1
+        try:
+            while True:
+                stats = await inst.aengine.call(lambda e: e.stats())
+                total = stats.num_blocks_free + stats.num_blocks_used
+                if need > total:
+                    raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"KV cache: this request needs {need} blocks to start, "
+                                      f"more than the {total} the cache has")
+                if stats.num_blocks_free - self.num_promised >= need:
+                    self.num_promised += need
+                    return
+                if time.monotonic() + self.POLL_S > deadline:
+                    raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"KV cache: {stats.num_blocks_free} free blocks "
+                                      f"({self.num_promised} promised), this request needs "
+                                      f"{need}; none freed within {timeout:.1f}s",
+                                      retry_after=1.0)
+                await asyncio.sleep(self.POLL_S)
+        finally:
+            self.num_waiting -= 1
+
+    def settle(self, need: int) -> None:
+        """The admitted request runs (or ended): its blocks are the engine's to count now."""
+        self.num_promised = max(0, self.num_promised - need)
+
+
+_ADMISSIONS: weakref.WeakKeyDictionary[EngineInstance, KvAdmission] = (
+    weakref.WeakKeyDictionary())
+
+
+def kv_admission(inst: EngineInstance) -> KvAdmission:
+    """The instance's admission (one per engine instance, gone with it)."""
+    admission = _ADMISSIONS.get(inst)
+    if admission is None:
+        admission = _ADMISSIONS[inst] = KvAdmission()
+    return admission
+
+
 async def _receive_blocks(inst: EngineInstance, job: DecodeJob, timeout: float) -> None:
     if not job.blocks:
         return
-    stats = await inst.aengine.call(lambda e: e.stats())
-    need = len(job.blocks) + 1
-    if stats.num_blocks_free < need:
-        raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"KV cache: {stats.num_blocks_free} free blocks, this request needs "
-                          f"{need} to start: try another instance")
     if inst.bridge is None:
         raise BadRequest("blocks: this instance has no kvd (--kvd) to receive them from")
     start = time.monotonic()

@@ -83,9 +83,11 @@ def create_app(gw: Gateway) -> FastAPI:
 
 
 _ERROR_DOCS = {400: "bad parameter (error.param names it)", 401: "missing or invalid API key",
-               404: "unknown model", 413: "body too large",
-               429: "tenant quota exceeded (see Retry-After)", 503: "no capacity",
-               504: "deadline exceeded"}
+               404: "unknown model", 408: "headers or body too slow to arrive",
+               413: "body too large",
+               429: "tenant quota exceeded, admission queue full, or the deadline cannot be "
+                    "met (see Retry-After)", 503: "no capacity",
+               504: "deadline exceeded (X-Request-Timeout or the server's limit)"}
 
 
 def _body_doc(model: type[Api]) -> dict[str, Any]:

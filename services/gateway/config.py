@@ -38,6 +38,12 @@ class GatewayConfig(ServiceConfig):
     max_body_bytes: int = setting(4 * 1024 * 1024, int_kind(1024), "largest request body")
     request_timeout: float = setting(600.0, float_kind(0.1),
                                      "seconds before a request is abandoned")
+    body_timeout: float = setting(5.0, float_kind(0.1), "seconds the request body may pause "
+                                  "between two chunks before a 408")
+    header_timeout: float = setting(10.0, float_kind(0.1), "seconds a connection may take to "
+                                    "send its request headers before a 408")
+    sse_heartbeat: float = setting(5.0, float_kind(0.05), "seconds of silence after which a "
+                                   "stream sends an SSE keep-alive comment")
     max_choices: int = setting(64, int_kind(1), "most choices (n x prompts) in one request")
     instance_id: str = setting("", STR, "id in logs and traces")
 

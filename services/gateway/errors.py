@@ -71,12 +71,20 @@ def unauthorized(message: str) -> ApiError:
     return ApiError(401, message, "authentication_error", code="invalid_api_key")
 
 
-def from_rpc_error(exc: grpc.aio.AioRpcError) -> ApiError:
+def from_rpc_error(exc: grpc.aio.AioRpcError, started: bool = False,
+                   timeout: float | None = None) -> ApiError:
     """Map a router status to HTTP, from its rich details (``pdserve.errors.details_of``):
-    the first field violation is ``param`` (in OpenAI's names), RetryInfo is Retry-After."""
+    the first field violation is ``param`` (in OpenAI's names), RetryInfo is Retry-After.
+    ``started``: the answer had begun (a failure then is not a lack of capacity);
+    ``timeout``: the request's deadline, named in a deadline error."""
     code = exc.code()
     status, kind, err_code = _FROM_GRPC.get(code, (500, "server_error", "internal_error"))
     message = exc.details() or code.name
+    if started and code == grpc.StatusCode.UNAVAILABLE:
+        err_code = "stream_interrupted"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+        message = (f"request timed out after {timeout:g}s (X-Request-Timeout, at most "
+                   f"--request-timeout): {message}")
     details = details_of(exc)
     param = None
     if status == 400 and details.violations:

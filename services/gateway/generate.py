@@ -100,10 +100,13 @@ class Generation:
     """The router calls of one request, read as one interleaved stream."""
 
     def __init__(self, client: RouterClient, metadata: tuple[tuple[str, str], ...],
-                 requests: Sequence[router_pb2.GenerateRequest], start_time: float) -> None:
+                 requests: Sequence[router_pb2.GenerateRequest], start_time: float,
+                 timeout: float | None = None) -> None:
         self.start_time = start_time  # the HTTP request's arrival (perf_counter), for TTFT
         self.first_token_time: float | None = None
-        self.calls: list[GenerateCall] = [client.generate(r, metadata) for r in requests]
+        self.timeout = timeout if timeout is not None else client.timeout
+        self.calls: list[GenerateCall] = [client.generate(r, metadata, timeout)
+                                          for r in requests]
         self._firsts: list[router_pb2.GenerateResponse | None] = []
 
     async def start(self) -> None:

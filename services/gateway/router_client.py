@@ -27,9 +27,12 @@ class RouterClient:
         self._default_model: str | None = None
 
     def generate(self, request: router_pb2.GenerateRequest,
-                 metadata: tuple[tuple[str, str], ...] = ()) -> GenerateCall:
-        """Start one streamed generation; read it with ``await call.read()``."""
-        return self._stub.Generate(request, timeout=self.timeout, metadata=metadata or None)
+                 metadata: tuple[tuple[str, str], ...] = (),
+                 timeout: float | None = None) -> GenerateCall:
+        """Start one streamed generation (deadline ``timeout``, else the client's); read it
+        with ``await call.read()``."""
+        return self._stub.Generate(request, timeout=timeout or self.timeout,
+                                   metadata=metadata or None)
 
     async def list_models(self, timeout: float = 5.0) -> list[router_pb2.ModelInfo]:
         reply = await self._stub.ListModels(router_pb2.ListModelsRequest(), timeout=timeout)

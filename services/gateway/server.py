@@ -19,6 +19,7 @@ from pdserve.server import Service, make_server
 from services.gateway.app import FastPath, create_app
 from services.gateway.auth import CacheSalter, KeyStore
 from services.gateway.config import GatewayConfig
+from services.gateway.limits import with_header_timeout
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router_client import RouterClient
 from services.gateway.servicer import Gateway
@@ -72,7 +73,8 @@ class GatewayServer:
         app = FastPath(create_app(self.gateway), self.gateway)
         uv_config = uvicorn.Config(app, log_config=None, access_log=False,
                                    lifespan="off", timeout_graceful_shutdown=self.grace,
-                                   server_header=False)
+                                   server_header=False,
+                                   http=with_header_timeout(config.header_timeout))
         self._http = _Uvicorn(uv_config)
         self._task = asyncio.create_task(self._http.serve(sockets=[self._sock]))
         while not self._http.started:

@@ -8,6 +8,7 @@ router calls; a router error after the stream started becomes an SSE error event
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from services.gateway.auth import CacheSalter, KeyStore
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError, bad_request, from_rpc_error, from_validation
 from services.gateway.generate import ChoiceOutput, Generation, collect
+from services.gateway.limits import HEARTBEAT, read_body, request_timeout, with_heartbeats
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router_client import RouterClient
 from services.gateway.schema import ChatCompletionRequest, CompletionRequest
@@ -119,24 +121,39 @@ class Gateway:
         if not self.keys.enabled:
             tenant = req.user or ""  # no keys: the caller says who it is (no isolation)
         salt = self.salter.salt(self.keys.cache_identity(tenant), req.cache_salt)
+        timeout = request_timeout(request.headers, self.config.request_timeout)
         gen = Generation(self.client, outbound_metadata(), req.router_requests(
-            model, inputs, req.completion_limit, req.num_logprobs, rid, tenant, salt), start)
+            model, inputs, req.completion_limit, req.num_logprobs, rid, tenant, salt), start,
+            timeout)
         created = int(time.time())
         logprobs = req.num_logprobs is not None
+        starting: asyncio.Future[None] | None = None
         try:
             with cancel_on_disconnect(request.receive):
-                await gen.start()
+                try:
+                    if req.stream:  # see _start_stream
+                        starting = await self._start_stream(gen)
+                    else:
+                        await gen.start()
+                except grpc.aio.AioRpcError as exc:
+                    raise self._rpc_error(exc, False, timeout) from exc
                 if not req.stream:
-                    choices = await collect(gen, num_choices, req.calls_finish)
+                    try:
+                        choices = await collect(gen, num_choices, req.calls_finish)
+                    except grpc.aio.AioRpcError as exc:
+                        raise self._rpc_error(exc, True, timeout) from exc
             if req.stream:
                 writer = shapes.ChunkWriter(rid, created, shown, chat, req.include_usage,
                                             logprobs)
                 end = _StreamEnd(self, gen, "chat" if chat else "completions", start,
                                  trace.get_current_span())
                 choices = [ChoiceOutput(req.calls_finish) for _ in range(num_choices)]
-                body = self._stream(gen, writer, choices, req.n, req.include_usage, end)
+                body = self._stream(gen, writer, choices, req.n, req.include_usage, end,
+                                    starting)
                 return SSEResponse(body, end, {**SSE_HEADERS, "x-request-id": rid})
         except BaseException:
+            if starting is not None:
+                starting.cancel()
             gen.cancel()
             raise
         gen.cancel()
@@ -145,17 +162,40 @@ class Gateway:
         return Response(shapes.dumps(build(rid, created, shown, choices, req.n, logprobs)),
                         media_type="application/json", headers={"x-request-id": rid})
 
+    async def _start_stream(self, gen: Generation) -> asyncio.Future[None] | None:
+        """Wait up to one heartbeat for the stream's first messages: an error known by then
+        keeps its HTTP status (a 429 with Retry-After, a 400). A request still waiting (queued
+        for capacity) is answered 200 at once and keeps the connection alive with SSE
+        comments meanwhile: the returned start, which ``_stream`` awaits."""
+        starting = asyncio.ensure_future(gen.start())
+        await asyncio.wait((starting,), timeout=self.config.sse_heartbeat)
+        if not starting.done():
+            return starting
+        starting.result()
+        return None
+
     async def _stream(self, gen: Generation, writer: shapes.ChunkWriter,
-                      choices: list[ChoiceOutput], n: int, include_usage: bool, end: _StreamEnd
-                      ) -> AsyncIterator[bytes]:
+                      choices: list[ChoiceOutput], n: int, include_usage: bool, end: _StreamEnd,
+                      starting: asyncio.Future[None] | None = None) -> AsyncIterator[bytes]:
         num_choices = len(choices)
         # Final chunks wait for the end of the stream so that they, the usage and [DONE] leave
         # in one write: fewer sends per request on the hot path.
         tail: list[bytes] = []
         try:
+            if starting is not None:
+                async for _ in with_heartbeats(_until(starting), self.config.sse_heartbeat):
+                    yield HEARTBEAT
+                try:
+                    starting.result()
+                except grpc.aio.AioRpcError as exc:
+                    raise self._rpc_error(exc, False, gen.timeout) from exc
             if writer.chat:
                 yield b"".join(writer.role(i) for i in range(num_choices))
-            async for i, msg in gen.messages():
+            async for item in with_heartbeats(gen.messages(), self.config.sse_heartbeat):
+                if item is None:  # silence: tell the client the stream is alive
+                    yield HEARTBEAT
+                    continue
+                i, msg = item
                 choices[i].add(msg, 0)
                 chunk = writer.chunk(i, msg, choices[i].finish)
                 if chunk is not None and choices[i].finish is None:
@@ -173,30 +213,21 @@ class Gateway:
             end.status = exc.status
             tail.append(shapes.sse_error(exc))
         except grpc.aio.AioRpcError as exc:
-            err = self._rpc_error(exc)
+            err = self._rpc_error(exc, True, gen.timeout)
             end.status = err.status
             tail.append(shapes.sse_error(err))
         except Exception:
             end.status = 500
             raise
         finally:
+            if starting is not None and not starting.done():
+                starting.cancel()
             end()
         tail.append(shapes.DONE)
         yield b"".join(tail)
 
     async def _body(self, request: Request) -> bytes:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"request body: larger than {limit} bytes", code="body_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"request body: larger than {limit} bytes",
-                               code="body_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return await read_body(request, self.config.max_body_bytes, self.config.body_timeout)
 
     async def _router_model(self, name: str | None) -> str:
         """``--model-name`` is an alias of the router's model; other names go through as is;
@@ -205,9 +236,10 @@ class Gateway:
             return await self.client.default_model()
         return name or ""
 
-    def _rpc_error(self, exc: grpc.aio.AioRpcError) -> ApiError:
+    def _rpc_error(self, exc: grpc.aio.AioRpcError, started: bool = False,
+                   timeout: float | None = None) -> ApiError:
         self.metrics.router_errors.labels(exc.code().name).inc()
-        return from_rpc_error(exc)
+        return from_rpc_error(exc, started, timeout)
 
     def _account(self, gen: Generation, choices: list[ChoiceOutput], n: int, endpoint: str) -> None:
         usage: dict[str, Any] = shapes.usage_of(choices, n)
@@ -271,6 +303,13 @@ class Gateway:
         body = {"status": "ok" if ok else "unavailable", "router_serving": ok}
         return Response(shapes.dumps(body), status_code=200 if ok else 503,
                         media_type="application/json")
+
+
+async def _until(future: asyncio.Future[None]) -> AsyncIterator[None]:
+    """Nothing, once ``future`` is done (its outcome is read by the caller)."""
+    await asyncio.wait((future,))
+    return
+    yield  # an async generator
 
 
 def error_response(err: ApiError) -> Response:

@@ -6,6 +6,7 @@ import sys
 
 from pdserve import auth
 from pdserve.server import Service, make_server, run_grpc_main
+from services.router.admission import AdmissionQueue
 from services.router.config import RouterConfig
 from services.router.core import Router
 from services.router.instances import InstancePool
@@ -37,18 +38,24 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
     if config.redis_url:
         redis = aioredis.Redis.from_url(config.redis_url, socket_timeout=1.0,
                                         socket_connect_timeout=1.0)
+    # A busy engine answers its checks late, not never: a generous timeout, and only
+    # several in a row take it out (a refused connection does at once).
     pool = InstancePool(config.prefill, config.decode, redis, config.registry_prefix,
                         credentials=auth.metadata([auth.DATA, auth.ADMIN]),
-                        check_timeout=min(1.0, max(0.2, config.poll_interval)))
+                        check_timeout=max(2.0, config.poll_interval),
+                        max_check_failures=config.health_failures)
     quotas = load_quotas(config.quotas_file) if config.quotas_file else {}
+    model = model or load_model_spec(config.model, config.served_model_name)
     return Router(
-        model=model or load_model_spec(config.model, config.served_model_name), pool=pool,
+        model=model, pool=pool,
         index=IndexClient(index if index is not None else _redis_index(config),
                           config.index_timeout),
         policy=make_policy(config.policy), quotas=QuotaBook(quotas),
         block_size=config.block_size,
-        limits=RouterLimits(config.max_prompt_tokens, config.max_tokens),
-        max_concurrent=config.max_concurrent, max_retries=config.max_retries,
+        limits=RouterLimits.for_model(model, config.max_prompt_tokens, config.max_tokens,
+                                      config.max_prompt_bytes),
+        admission=AdmissionQueue(config.max_concurrent, config.max_queued),
+        max_wait=config.max_wait, max_retries=config.max_retries,
         poll_interval=config.poll_interval, tool_call_parser=config.tool_call_parser)
 
 

@@ -45,9 +45,18 @@ class RouterConfig(GrpcServiceConfig):
     decode: tuple[str, ...] = setting((), ADDRESSES,
                                       "static decode (or colocated) instances host:port")
     block_size: int = setting(16, BLOCK_SIZE, "tokens per KV block (as the engines)")
-    max_prompt_tokens: int = setting(32768, int_kind(1), "longest accepted prompt")
+    max_prompt_tokens: int = setting(0, int_kind(0), "longest accepted prompt in tokens; "
+                                     "0 = the model's context length less one")
+    max_prompt_bytes: int = setting(0, int_kind(0), "largest prompt text in UTF-8 bytes, "
+                                    "checked before tokenizing; 0 = 32 x --max-prompt-tokens")
     max_tokens: int = setting(4096, int_kind(1), "largest accepted max_tokens")
     max_concurrent: int = setting(1024, int_kind(1), "most requests in flight")
+    max_queued: int = setting(4096, int_kind(0),
+                              "most requests waiting for a --max-concurrent slot; beyond: 429")
+    max_wait: float = setting(30.0, float_kind(0.0), "seconds a request may wait while every "
+                              "engine answers busy (KV cache or queue full) before a 429")
+    health_failures: int = setting(3, int_kind(1), "consecutive timed-out health checks "
+                                   "before an instance leaves the rotation")
     quotas_file: str = setting("", STR, "per-tenant quotas file (JSON); empty = no quotas")
     max_retries: int = setting(2, int_kind(0), "extra attempts on another instance")
     poll_interval: float = setting(1.0, float_kind(0.05),

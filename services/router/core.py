@@ -3,11 +3,17 @@
     Generate(request)
       1. prepare   validate, tokenize (chat through the template, with tools), resolve
                    max_tokens; tool_choice required/named -> sampling.structured
-      2. admit     tenant quota (tokens + concurrency), the router's --max-concurrent
+      1b. limit    its size in bytes is checked before tokenizing; long prompts are
+                   tokenized in a bounded worker pool (``preparing``)
+      2. admit     tenant quota (tokens + concurrency), then the admission queue in front of
+                   --max-concurrent (``admission``: priority, tenants in turn; 429 only when
+                   the queue is full or the deadline cannot be met)
       3. look up   hash the prompt's full blocks; ONE index round trip -> node: blocks held
       4. place     policy.choose(query, healthy prefills, healthy decodes)
       5. prefill   Prefill.Prefill(destination = the decode node's kvd) -> first token;
-                   failed / RESOURCE_EXHAUSTED -> placed again without that instance
+                   failed / RESOURCE_EXHAUSTED -> placed again without that instance; every
+                   instance busy (RESOURCE_EXHAUSTED) -> wait and place again, up to
+                   --max-wait (``Flow.wait_busy``), then 429 with Retry-After
       6. stream    first token + placement; done here when prefill says it is final
       7. decode    Decode.Decode(blocks, first token) -> chunks relayed as they come;
                    fails before its first chunk -> another decode pulls from prefill's kvd;
@@ -35,34 +41,22 @@ import grpc
 from opentelemetry import trace
 
 from pdserve.errors import StatusError
-from pdserve.hashing import hash_blocks
 from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
 from pdserve.roles import Role
 from pdserve.telemetry import outbound_metadata
 from services.router import metrics
-from services.router.flow import Flow, KvLost, prefill_again, relay_decode, run_prefill
+from services.router.admission import AdmissionQueue
+from services.router.flow import Busy, Flow, KvLost, prefill_again, relay_decode, run_prefill
 from services.router.instances import Instance, InstancePool
 from services.router.model import ModelSpec
 from services.router.policy import Choice, RouteQuery, RoutingPolicy
 from services.router.prefix import IndexClient
+from services.router.preparing import Preparer
 from services.router.quotas import QuotaBook, QuotaExceeded
-from services.router.requests import Prepared, RouterLimits, detokenize, prepare, tokenize
+from services.router.requests import Prepared, RouterLimits, detokenize, tokenize
 from services.router.tools import with_tool_calls
 
 log = logging.getLogger(__name__)
-
-# Above this many prompt characters or token ids, preparing runs in a worker thread.
-HEAVY_PROMPT = 4096
-
-
-def _is_heavy(request: router_pb2.GenerateRequest) -> bool:
-    kind = request.WhichOneof("input")
-    if kind == "prompt":
-        return len(request.prompt) > HEAVY_PROMPT
-    if kind == "chat":
-        return sum(len(m.content) for m in request.chat.messages) > HEAVY_PROMPT
-    return kind == "prompt_token_ids" and len(request.prompt_token_ids.ids) > HEAVY_PROMPT
-
 
 @dataclass
 class Group:
@@ -98,7 +92,9 @@ class Router:
     quotas: QuotaBook
     block_size: int
     limits: RouterLimits
-    max_concurrent: int = 1024
+    admission: AdmissionQueue = field(default_factory=lambda: AdmissionQueue(1024, 4096))
+    preparer: Preparer = field(default_factory=Preparer)
+    max_wait: float = 30.0  # seconds a request may wait for busy engines
     max_retries: int = 2
     poll_interval: float = 1.0
     tool_call_parser: str = "auto"
@@ -117,6 +113,7 @@ class Router:
             self._poll_task.cancel()
             await asyncio.gather(self._poll_task, return_exceptions=True)
         await self.pool.close()
+        self.preparer.close()
 
     async def poll(self) -> None:
         await asyncio.gather(self.pool.poll_once(), self.index.probe())
@@ -136,51 +133,51 @@ class Router:
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Stream the answer to ``request``; raises ``StatusError`` for a status to return."""
         arrived = time.perf_counter()
-        heavy = _is_heavy(request)  # tokenizing and hashing a long prompt must not stall the loop
-        todo = (request, self.model, self.limits, self.tool_call_parser)
-        prepared = await asyncio.to_thread(prepare, *todo) if heavy else prepare(*todo)
+        prepared = await self.preparer.run(request, self.model, self.limits,
+                                           self.tool_call_parser)
         tenant = prepared.meta.tenant
         cost = len(prepared.prompt_ids) + prepared.sampling.max_tokens
-        if self.num_in_flight >= self.max_concurrent:
-            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"router: {self.num_in_flight} requests in flight "
-                              f"(--max-concurrent {self.max_concurrent})", retry_after=1.0)
         try:
             self.quotas.acquire(tenant, cost)
         except QuotaExceeded as exc:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
                               exc.retry_after) from exc
+        try:
+            metrics.QUEUED.set(self.admission.num_queued + 1)
+            admitted = await self.admission.acquire(prepared.meta.priority, tenant,
+                                                    time_remaining())
+        except BaseException:
+            self.quotas.release(tenant, cost)
+            raise
+        finally:
+            metrics.QUEUED.set(self.admission.num_queued)
+        metrics.QUEUE_WAIT.observe(time.perf_counter() - arrived)
+        try:
+            async for message in self._generate(prepared, time_remaining, arrived, cost):
+                yield message
+        finally:
+            self.admission.release(self.admission.clock() - admitted)
+
+    async def _generate(self, prepared: Prepared, time_remaining: Callable[[], float | None],
+                        arrived: float, cost: int,
+                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        tenant = prepared.meta.tenant
         span = trace.get_current_span()  # Router.Generate's (pdserve.rpc)
         span.set_attribute("pdserve.request_id", prepared.meta.request_id)
         flow = Flow(prepared, time_remaining, outbound_metadata(), arrived,
-                    self.max_retries)
+                    self.max_retries, max_wait=self.max_wait)
         self.num_in_flight += 1
         metrics.IN_FLIGHT.inc()
         self.counters.num_requests += 1
         try:
             group = self._group()
-            args = (prepared.prompt_ids, self.block_size, group.fingerprint,
-                    prepared.meta.cache_salt)
-            hashes = await asyncio.to_thread(hash_blocks, *args) if heavy else hash_blocks(*args)
+            hashes = await self.preparer.hash(prepared, self.block_size, group.fingerprint)
             flow.query = RouteQuery(len(prepared.prompt_ids), self.block_size, len(hashes),
                                     await self.index.lookup(hashes))
             messages = self._run(flow, group)
             if prepared.tools is not None:
                 messages = with_tool_calls(messages, prepared.tools)
-            echo = prepared.prompt_text  # goes out once, with the first message
-            first_entry = self._first_prompt_entry(prepared)
-            last = 0.0
-            async for message in messages:
-                if message.token_ids:
-                    now = time.perf_counter()
-                    (metrics.ITL if last else metrics.TTFT).observe(now - (last or arrived))
-                    last = now
-                message.prompt_text, echo = echo, ""
-                if first_entry is not None:
-                    entries = [first_entry, *message.prompt_logprobs]
-                    message.ClearField("prompt_logprobs")
-                    message.prompt_logprobs.extend(entries)
-                    first_entry = None
+            async for message in self._relay(flow, prepared, messages):
                 yield message
             flow.is_finished = True
         finally:
@@ -193,6 +190,27 @@ class Router:
             if not flow.is_finished:
                 self._abort(flow)
             span.set_attribute("pdserve.completion_tokens", flow.num_tokens_sent)
+
+    async def _relay(self, flow: Flow, prepared: Prepared,
+                     messages: AsyncIterator[router_pb2.GenerateResponse],
+                     ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """The messages as the client gets them: echo and the first prompt logprob on the
+        first, latency observed."""
+        echo = prepared.prompt_text  # goes out once, with the first message
+        first_entry = self._first_prompt_entry(prepared)
+        last = 0.0
+        async for message in messages:
+            if message.token_ids:
+                now = time.perf_counter()
+                (metrics.ITL if last else metrics.TTFT).observe(now - (last or flow.arrived))
+                last = now
+            message.prompt_text, echo = echo, ""
+            if first_entry is not None:
+                entries = [first_entry, *message.prompt_logprobs]
+                message.ClearField("prompt_logprobs")
+                message.prompt_logprobs.extend(entries)
+                first_entry = None
+            yield message
 
     def _first_prompt_entry(self, prepared: Prepared) -> common_pb2.PositionLogprobs | None:
         """With prompt logprobs, the first prompt token's entry: the engines score tokens
@@ -233,7 +251,7 @@ class Router:
         prefills, decodes = group.prefills, group.decodes
         first = None
         if prefills and decodes:
-            first = await run_prefill(flow, self.policy, self.pool, prefills, decodes)
+            first = await self._prefill(flow, prefills, decodes)
             self._count_placement(flow)
             if first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 yield first
@@ -243,14 +261,40 @@ class Router:
             flow.choice = self._place_colocated(flow, decodes)
             self._count_placement(flow)
         try:
-            async for message in relay_decode(flow, self.policy, self.pool, decodes, first):
+            async for message in self._decode(flow, decodes, first):
                 yield message
         except KvLost as lost:  # the client has the first token; its KV is gone: once more
             prefills = [p for p in group.prefills if p.is_healthy]  # alike blocks only
             decodes = [d for d in group.decodes if d.is_healthy]
             await prefill_again(flow, self.policy, self.pool, lost, prefills, decodes)
-            async for message in relay_decode(flow, self.policy, self.pool, decodes, None):
+            async for message in self._decode(flow, decodes, None):
                 yield message
+
+    async def _prefill(self, flow: Flow, prefills: list[Instance], decodes: list[Instance],
+                       ) -> router_pb2.GenerateResponse:
+        """Prefill, waiting while every prefill instance answers busy (``Busy``)."""
+        waited = 0.0
+        while True:
+            try:
+                return await run_prefill(flow, self.policy, self.pool, prefills, decodes)
+            except Busy as busy:
+                waited = await flow.wait_busy(busy, waited)
+
+    async def _decode(self, flow: Flow, decodes: list[Instance],
+                      first: router_pb2.GenerateResponse | None,
+                      ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """Relay the decode, waiting while every decode instance answers busy before its
+        first chunk (``Busy``); ``first`` goes out once."""
+        waited = 0.0
+        while True:
+            try:
+                async for message in relay_decode(flow, self.policy, self.pool, decodes, first):
+                    if message is first:
+                        first = None
+                    yield message
+                return
+            except Busy as busy:
+                waited = await flow.wait_busy(busy, waited)
 
     def _place_colocated(self, flow: Flow, decodes: list[Instance]) -> Choice:
         assert flow.query is not None

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.errors import StatusError
+from pdserve.errors import StatusError, details_of
 from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
 from services.router import metrics
 from services.router.instances import Instance, InstancePool
@@ -33,6 +34,17 @@ class KvLost(StatusError):
     """A decode could not get the request's KV before its first chunk (``KV_LOST``)."""
 
 
+class Busy(StatusError):
+    """Every instance tried answered RESOURCE_EXHAUSTED (KV cache or queue full): capacity
+    that comes back as running requests finish, so the request waits (``wait_busy``) instead
+    of failing."""
+
+
+def _busy_after(exc: grpc.RpcError) -> float:
+    retry = details_of(exc).retry_after  # type: ignore[arg-type]
+    return retry if retry is not None else 0.1
+
+
 @dataclass
 class Flow:
     """One request in flight: what was decided, and what is live where."""
@@ -50,6 +62,8 @@ class Flow:
     touched: list[Instance] = field(default_factory=list)  # engines that may hold the request
     is_finished: bool = False
     is_latency_recorded: bool = False
+    max_wait: float = 30.0  # seconds the request may wait for busy engines, in all
+    num_busy_waits: int = 0
 
     def timeout(self) -> float | None:
         """Seconds left for an outbound call: the client's deadline, never more."""
@@ -57,6 +71,20 @@ class Flow:
         if left is not None and left <= 0:
             raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded in the router")
         return left
+
+    async def wait_busy(self, busy: Busy, waited: float) -> float:
+        """Sleep before trying busy engines again (backing off); raise RESOURCE_EXHAUSTED
+        with Retry-After when the request's deadline or ``max_wait`` would pass first."""
+        delay = min(0.5, 0.05 * 2 ** min(self.num_busy_waits, 4), busy.retry_after or 0.5)
+        left = self.time_remaining()
+        if waited + delay > self.max_wait or (left is not None and left < delay):
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{busy.message}; still busy after waiting {waited:.1f}s",
+                              retry_after=max(1.0, busy.retry_after or 1.0))
+        self.num_busy_waits += 1
+        metrics.BUSY_WAITS.inc()
+        await asyncio.sleep(delay)
+        return waited + delay
 
     def before_call(self) -> None:
         if not self.is_latency_recorded:
@@ -92,6 +120,7 @@ async def run_prefill(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
     assert flow.query is not None
     tried: list[str] = []
     failures: list[str] = []
+    busy_after: list[float] = []  # one per RESOURCE_EXHAUSTED answer
     for _ in range(flow.max_retries + 1):
         left = [p for p in prefills if p.address not in tried and p.is_healthy]
         choice = policy.choose(flow.query, left, decodes) if left else None
@@ -119,6 +148,8 @@ async def run_prefill(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
             metrics.RETRIES.labels("prefill").inc()
             tried.append(p.address)
             failures.append(f"{p.instance_id}: {exc.code().name} {exc.details()}")
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                busy_after.append(_busy_after(exc))
             continue
         finally:
             p.num_inflight_prefills -= 1
@@ -127,6 +158,9 @@ async def run_prefill(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
         flow.choice, flow.prefill_response = choice, response
         return _first_message(flow, response)
     why = "; ".join(failures) if failures else "no healthy prefill instance"
+    if failures and len(busy_after) == len(failures):
+        raise Busy(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                   f"no capacity: every prefill instance is busy ({why})", min(busy_after))
     raise StatusError(grpc.StatusCode.UNAVAILABLE, f"no capacity: prefill failed ({why})")
 
 
@@ -172,6 +206,7 @@ async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
     decode, tried = flow.choice.decode, []
     if not _can_take(flow, decode):  # drained or reloaded (rolling reload) since chosen
         decode = _next_decode(flow, policy, decodes, [decode.address]) or decode
+    busy_after: list[float] = []
     for attempt in range(flow.max_retries + 1):
         chunks_before = flow.num_decode_chunks
         try:
@@ -192,7 +227,13 @@ async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
                                   f"{where} failed after {flow.num_tokens_sent} tokens were sent: "
                                   f"{code.name} {exc.details()}") from exc
             tried.append(decode.address)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                busy_after.append(_busy_after(exc))
             replacement = _next_decode(flow, policy, decodes, tried)
+            if (replacement is None or attempt == flow.max_retries) and len(busy_after) == len(
+                    tried):
+                raise Busy(code, f"no capacity: every decode instance is busy ({where}: "
+                           f"{exc.details()})", min(busy_after)) from exc
             if replacement is None or attempt == flow.max_retries:
                 raise StatusError(grpc.StatusCode.UNAVAILABLE,
                                   f"no capacity: {where} failed ({code.name} {exc.details()}) "

@@ -56,6 +56,7 @@ class Instance:
     num_inflight_decodes: int = 0
     num_routed: int = 0
     num_errors: int = 0
+    num_check_timeouts: int = 0  # consecutive health checks that timed out
     # Engines report recent throughput, which is load as much as speed (an idle engine shows
     # ~0): the fastest rate an instance has shown is the better estimate of what it can do.
     peak_prefill_tokens_per_s: float = 0.0
@@ -114,11 +115,13 @@ class InstancePool:
     def __init__(self, static_prefill: Iterable[str], static_decode: Iterable[str],
                  redis: Any = None, registry_prefix: str = "pdserve:",
                  check_timeout: float = 1.0,
-                 credentials: tuple[tuple[str, str], ...] = ()) -> None:
+                 credentials: tuple[tuple[str, str], ...] = (),
+                 max_check_failures: int = 1) -> None:
         self.redis = redis
         self.credentials = credentials
         self.registry_prefix = registry_prefix
         self.check_timeout = check_timeout
+        self.max_check_failures = max_check_failures
         self.instances: dict[str, Instance] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self.is_registry_available = redis is not None
@@ -191,8 +194,18 @@ class InstancePool:
                 inst.engine.Stats(engine_pb2.EngineStatsRequest(), timeout=self.check_timeout,
                                   wait_for_ready=True))
         except grpc.RpcError as exc:
-            self._set_health(inst, False, exc.code().name)
+            # A check that timed out is a busy engine as often as a dead one: only several in
+            # a row count; an engine that refuses or drops connections is out at once.
+            # (wait_for_ready turns a refused connection into a timeout too: the channel's
+            # state tells them apart.)
+            assert inst.channel is not None
+            is_busy = (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                       and inst.channel.get_state() == grpc.ChannelConnectivity.READY)
+            inst.num_check_timeouts = inst.num_check_timeouts + 1 if is_busy else 0
+            if not is_busy or inst.num_check_timeouts >= self.max_check_failures:
+                self._set_health(inst, False, exc.code().name)
             return
+        inst.num_check_timeouts = 0
         inst.apply_stats(stats)
         serving = health.status == health_pb2.HealthCheckResponse.SERVING
         ok = serving and not stats.draining and inst.role != common_pb2.ROLE_UNSPECIFIED

@@ -26,3 +26,9 @@ ITL = Histogram("pdserve_router_inter_token_seconds", "Between two messages with
 ADDED_LATENCY = Histogram(
     "pdserve_router_added_latency_seconds", "Router time before the first engine call",
     buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0))
+BUSY_WAITS = Counter("pdserve_router_busy_waits",
+                     "Waits before trying busy engines again (all answered RESOURCE_EXHAUSTED)")
+QUEUED = Gauge("pdserve_router_admission_queued", "Requests waiting in the admission queue")
+QUEUE_WAIT = Histogram("pdserve_router_admission_wait_seconds",
+                       "Time from arrival to admission (prepared, then queued)",
+                       buckets=_LATENCY)

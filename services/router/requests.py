@@ -24,6 +24,19 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 class RouterLimits:
     max_prompt_tokens: int
     max_tokens: int
+    max_prompt_bytes: int = 0  # 0: 32 bytes a token (checked before tokenizing)
+
+    def __post_init__(self) -> None:
+        if not self.max_prompt_bytes:  # generous: real text averages ~4 bytes a token
+            object.__setattr__(self, "max_prompt_bytes", 32 * self.max_prompt_tokens)
+
+    @classmethod
+    def for_model(cls, model: ModelSpec, max_prompt_tokens: int, max_tokens: int,
+                  max_prompt_bytes: int = 0) -> RouterLimits:
+        """Limits of a router serving ``model``; a prompt limit of 0 follows its context
+        (a prompt must leave room for one generated token)."""
+        prompt = max_prompt_tokens or max(1, model.max_context - 1)
+        return cls(prompt, max_tokens, max_prompt_bytes)
 
 
 @dataclass(frozen=True)
@@ -103,7 +116,13 @@ def _tokenize(request: router_pb2.GenerateRequest, model: ModelSpec,
     if kind is None:
         raise BadRequest("input: one of prompt, prompt_token_ids or chat is required")
     if kind == "prompt_token_ids":
-        return list(request.prompt_token_ids.ids), None
+        ids = list(request.prompt_token_ids.ids)
+        vocab = model.tokenizer.vocab_size if model.tokenizer is not None else None
+        bad = [t for t in ids if vocab is not None and t >= vocab]
+        if bad:
+            raise BadRequest(f"prompt_token_ids: token ids must be < the vocabulary size "
+                             f"{vocab}, got {bad[:5]}")
+        return ids, None
     if model.tokenizer is None:
         raise BadRequest(f"{kind}: this router has no tokenizer for {model.name!r}; "
                          f"send prompt_token_ids")

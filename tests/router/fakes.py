@@ -46,6 +46,7 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
         # awaited with each PrefillRequest, before it answers
         self.on_prefill: Callable[[engine_pb2.PrefillRequest], Awaitable[None]] | None = None
         self.stats = engine_pb2.EngineStats()
+        self.stats_delay = 0.0
         self.seen = Seen()
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
@@ -127,6 +128,7 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
 
     async def Stats(self, request: engine_pb2.EngineStatsRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> engine_pb2.EngineStats:
+        await asyncio.sleep(self.stats_delay)  # a busy engine answers late
         out = engine_pb2.EngineStats()
         out.CopyFrom(self.stats)
         out.instance_id, out.role, out.model = self.name, ROLES[self.role], "tiny"

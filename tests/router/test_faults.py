@@ -40,17 +40,28 @@ async def test_prefill_failure_moves_to_another_instance(cluster: Cluster, code)
     assert by_id["A"].is_healthy
 
 
-async def test_prefill_retries_are_bounded(cluster: Cluster) -> None:
+async def test_busy_prefills_are_waited_for_not_relayed(cluster: Cluster) -> None:
     engines = [await cluster.engine(n, "prefill") for n in "ABC"]
     d = await cluster.engine("D", "decode")
     for e in engines:
         e.prefill_errors = [grpc.StatusCode.RESOURCE_EXHAUSTED]
     _, client = await cluster.router(engines, [d], max_retries=1)
+    msgs = await client.generate(ids=PROMPT)  # busy everywhere at first: waited, then served
+    assert [list(m.token_ids) for m in msgs] == [[7], [100], [101], [102]]
+    assert sum(len(e.seen.prefills) for e in engines) == 3  # one try + one retry, then one
+
+
+async def test_engines_busy_past_max_wait_answer_retry_after(cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    p.prefill_errors = [grpc.StatusCode.RESOURCE_EXHAUSTED] * 1000
+    _, client = await cluster.router([p], [d], max_retries=0, max_wait=0.3)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await client.generate(ids=PROMPT)
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "RESOURCE_EXHAUSTED" in err.value.details()
-    assert sum(len(e.seen.prefills) for e in engines) == 2  # one try + one retry
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "every prefill instance is busy" in err.value.details()
+    assert "still busy after waiting" in err.value.details()
+    assert dict(err.value.trailing_metadata() or ())["retry-after"] == "1"
+    assert 2 <= len(p.seen.prefills) < 20  # retried with backoff, not spun
 
 
 async def test_engine_invalid_argument_is_not_retried(cluster: Cluster) -> None:
@@ -281,7 +292,7 @@ async def _eventually(predicate, timeout: float = 3.0) -> None:
 async def test_router_concurrency_limit_answers_retry_after(cluster: Cluster) -> None:
     p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
     d.decode_hang = True
-    _, client = await cluster.router([p], [d], max_concurrent=1)
+    _, client = await cluster.router([p], [d], max_concurrent=1, max_queued=0)
     held = client.stub.Generate(request(ids=PROMPT), timeout=10)
     it = held.__aiter__()
     await it.__anext__()  # the first request is in flight
@@ -322,3 +333,37 @@ async def test_a_router_bug_is_internal_with_the_request_id(cluster: Cluster) ->
     assert err.value.details() == ("Generate: internal error (ZeroDivisionError) serving request "
                                    "route-bug; the service log has the details")
     assert router.num_in_flight == 0 and not p.seen.prefills
+
+
+async def test_requests_beyond_max_concurrent_wait_their_turn(cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    d.decode_hang = True
+    router, client = await cluster.router([p], [d], max_concurrent=1)
+    held = client.stub.Generate(request(ids=PROMPT), timeout=10)
+    it = held.__aiter__()
+    await it.__anext__()
+    await it.__anext__()  # the first request holds the only slot, hanging in its decode
+    d.decode_hang = False
+    waiting = asyncio.create_task(client.generate(ids=PROMPT))
+    await _eventually(lambda: router.admission.num_queued == 1)
+    assert len(p.seen.prefills) == 1  # queued in the router: no engine work yet
+    held.cancel()
+    assert len(await waiting) == 4  # admitted when the slot came back
+    assert router.admission.num_queued == 0
+
+
+async def test_a_busy_engine_stays_in_rotation_until_several_checks_time_out(
+        cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    router, client = await cluster.router([p], [d], health_failures=3)
+    router.pool.check_timeout = 0.2
+    d.stats_delay = 0.5  # connected, answering, but slower than a check may take
+    for _ in range(2):
+        await router.poll()
+        assert router.pool.instances[d.address].is_healthy  # busy, not dead
+    assert len(await client.generate(ids=PROMPT)) == 4
+    await router.poll()  # the third timeout in a row: out
+    assert not router.pool.instances[d.address].is_healthy
+    d.stats_delay = 0.0
+    await router.poll()
+    assert router.pool.instances[d.address].is_healthy

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
+import threading
 
 import grpc
 import pytest
 
 from pdserve.hashing import hash_blocks
 from pdserve.proto.v1 import common_pb2, router_pb2
+from services.router.preparing import Preparer
 from tests.router.conftest import Cluster, request
 from tests.router.fakes import FakeIndex
 
@@ -54,18 +55,21 @@ async def test_long_prompt_is_prepared_off_the_event_loop(
     p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
     router, client = await cluster.router([p], [d])
     offloaded = []
-    original = asyncio.to_thread
+    original = Preparer._offload
 
-    async def counting_to_thread(fn, *args):  # type: ignore[no-untyped-def]
-        offloaded.append(fn.__name__)
-        return await original(fn, *args)
+    async def counting_offload(self, work):  # type: ignore[no-untyped-def]
+        offloaded.append(threading.get_ident())
+        return await original(self, lambda: (offloaded.append(threading.get_ident()),
+                                             work())[1])
 
-    monkeypatch.setattr(asyncio, "to_thread", counting_to_thread)
+    monkeypatch.setattr(Preparer, "_offload", counting_offload)
     await client.generate(prompt="short")
     assert offloaded == []
     text = "the quick brown fox " * 250  # above HEAVY_PROMPT characters: a worker thread
     await client.generate(prompt=text)
-    assert offloaded == ["prepare", "hash_blocks"]
+    loop_thread = threading.get_ident()  # tokenizing and hashing ran in worker threads
+    assert len(offloaded) == 4 and offloaded[0::2] == [loop_thread] * 2
+    assert loop_thread not in offloaded[1::2]
     tok = cluster.spec.tokenizer
     assert tok is not None
     ids = tok.encode(text)

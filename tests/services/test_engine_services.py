@@ -234,4 +234,5 @@ async def test_decode_without_room_for_the_blocks_is_resource_exhausted() -> Non
             async for _ in d.decode_stub.Decode(req, timeout=10):
                 pass
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "4 free blocks, this request needs 5" in (err.value.details() or "")
+        assert "needs 5 blocks to start, more than the 4 the cache has" in (
+            err.value.details() or "")
