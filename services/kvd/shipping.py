@@ -83,7 +83,8 @@ class Shipper:
 
     def __init__(self, pool: Pool, arr: np.ndarray, data_offset: int, slot_bytes: int,
                  transport: UcxTransport, peers: Peers, sync: IndexSync,
-                 me: common_pb2.KvdEndpoint, transfer_timeout: float) -> None:
+                 me: common_pb2.KvdEndpoint, transfer_timeout: float,
+                 kv_dtype: str = "") -> None:
         self.pool = pool
         self._arr = arr
         self._data_offset = data_offset
@@ -93,6 +94,7 @@ class Shipper:
         self._sync = sync
         self._me = me
         self._timeout = transfer_timeout
+        self.kv_dtype = kv_dtype  # announced in every Transfer; the peer refuses a mismatch
         self.counters = Counters()
         self.inbound: dict[bytes, asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -125,7 +127,8 @@ class Shipper:
         tid = secrets.randbits(64)
         req = kvd_pb2.TransferRequest(direction=_PUSH, peer=self._me, blocks=refs,
                                       ucx_address=self._transport.address, transfer_id=tid,
-                                      slots=list(slots), slot_bytes=self.slot_bytes)
+                                      slots=list(slots), slot_bytes=self.slot_bytes,
+                                      kv_dtype=self.kv_dtype)
         try:
             resp = await self._peers.stub(dest.address).Transfer(
                 req, timeout=RPC_TIMEOUT_S, metadata=outbound_metadata(self._peers.metadata))
@@ -242,7 +245,8 @@ class Shipper:
         req = kvd_pb2.TransferRequest(direction=_PULL, peer=self._me, blocks=refs,
                                       ucx_address=self._transport.address,
                                       transfer_id=tr.transfer_id, slots=tr.slots,
-                                      slot_bytes=self.slot_bytes)
+                                      slot_bytes=self.slot_bytes,
+                                      kv_dtype=self.kv_dtype)
         try:
             resp = await self._peers.stub(tr.peer.address).Transfer(
                 req, timeout=RPC_TIMEOUT_S, metadata=outbound_metadata(self._peers.metadata))
