@@ -90,11 +90,12 @@ class _GroupPlan:
 
 class TorchBackend(AttentionBackend):
     def __init__(self, kv_caches: list[torch.Tensor], scale: float | None = None,
-                 kv_scales: list[torch.Tensor] | None = None) -> None:
+                 kv_scales: list[torch.Tensor] | None = None, unit_scales: bool = False) -> None:
         if not kv_caches:
             raise ValueError("kv_caches must hold one tensor per layer")
         self.kv_caches = kv_caches
         self.kv_scales = kv_scales
+        self.unit_scales = unit_scales  # write as FlashInfer does (fp8, scale 1): kv_quant.py
         self.quant = BY_STORAGE_NAME.get(str(kv_caches[0].dtype).removeprefix("torch."))
         if (self.quant is None) != (kv_scales is None):
             raise ValueError("kv_scales must be given exactly when the cache is quantized "
@@ -143,6 +144,6 @@ class TorchBackend(AttentionBackend):
         assert self.quant is not None
         byte_rows = rows.view(torch.uint8)  # index_copy_ has no float8 kernel on CPU
         for store, x in ((self.store_k, k), (self.store_v, v)):
-            vals, scales = self.quant.quantize(x)
+            vals, scales = self.quant.quantize(x, unit=self.unit_scales)
             byte_rows.index_copy_(0, store, vals.reshape(len(x), -1).view(torch.uint8))
             scale_rows.index_copy_(0, store, scales)
