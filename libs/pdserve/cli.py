@@ -2,7 +2,8 @@
 
     pdserve up         the local stack (Redis, kvd, engines, router, gateway)
     pdserve generate   offline generation with the built-in or a local model
-    pdserve bench X    benchmarks: engine, transfer, router, serve, compare, detok, cluster, all
+    pdserve bench X    benchmarks: engine, transfer, router, serve, compare, detok, cluster,
+                       kvquant, all
     pdserve <service>  one service: gateway, router, prefill, decode, kvd
     pdserve env        every PDSERVE_* variable and what it accepts
 """
@@ -34,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "compare": "pdserve_bench.compare:main",
     "detok": "pdserve_bench.detok:main",
     "cluster": "pdserve_bench.cluster_bench:main",
+    "kvquant": "pdserve_bench.kvquant:main",
 }
 # Whose settings ``pdserve env`` lists.
 CONFIGS = ("services.gateway.config:GatewayConfig", "services.router.config:RouterConfig",

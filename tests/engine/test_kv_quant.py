@@ -18,8 +18,8 @@ from pdserve.errors import BadRequest
 from pdserve.hashing import hash_blocks
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
-from services.engine.convert import check_block_refs
 from services.engine.config import EngineServiceConfig
+from services.engine.convert import check_block_refs
 from tests.engine.helpers import GREEDY, make_engine, random_prompts, run_all
 from tests.engine.test_attention import HD, HEADS, KVH, PAGE, PAGES, _dense
 from tests.engine.test_disagg import _prefill
@@ -42,10 +42,10 @@ def test_round_trip_within_the_format_bound(name: str) -> None:
     values, scales = quant.quantize(x)
     assert values.dtype == quant.storage and scales.shape == (64, 4)
     err = (quant.dequantize(values, scales, torch.float32) - x).abs()
-    if name == "fp8":  # 3 mantissa bits: half a step is 2^-4 relative; subnormals 2^-9 apart
-        bound = x.abs() / 16 + scales[..., None] * 2**-9
-    else:  # round to nearest of 127 steps of amax / 127
-        bound = scales[..., None] / 2
+    # fp8: 3 mantissa bits, half a step is 2^-4 relative, subnormals 2^-9 apart (times the
+    # scale); int8: round to nearest of 127 steps of amax / 127.
+    fp8_bound = x.abs() / 16 + scales[..., None] * 2**-9
+    bound = fp8_bound if name == "fp8" else scales[..., None] / 2
     assert bool((err <= bound * (1 + 1e-5) + 1e-12).all())
     relative = err.amax(-1) / x.abs().amax(-1)
     assert float(relative.max()) < (0.07 if name == "fp8" else 0.0045)

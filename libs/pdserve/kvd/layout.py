@@ -3,7 +3,8 @@
 One block is contiguous ``[layers][2][block_size][kv_heads][head_dim]`` of the model's KV dtype
 (DESIGN.md §2); a quantized one (``float8_e4m3fn``, ``int8``) is those values (1 byte each)
 followed by one float32 scale per token and head, ``[layers][2][block_size][kv_heads]``
-(attention/kv_quant.py). A kvd pool holds one dtype: the first engine's. The pool is one POSIX shared-memory segment cut into fixed-size slots:
+(attention/kv_quant.py). A kvd pool holds quantized blocks of one dtype, or unquantized ones.
+The pool is one POSIX shared-memory segment cut into fixed-size slots:
 
     offset 0            HEADER_BYTES                    + i * slot_bytes
     +-------------------+--------+--------+-----+--------+
