@@ -3,7 +3,7 @@
     pdserve up         the local stack (Redis, kvd, engines, router, gateway)
     pdserve generate   offline generation with the built-in or a local model
     pdserve bench X    benchmarks: engine, transfer, router, serve, compare, detok, cluster,
-                       kvquant, all
+                       kvquant, wirecodec, all
     pdserve <service>  one service: gateway, router, prefill, decode, kvd
     pdserve env        every PDSERVE_* variable and what it accepts
 """
@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "detok": "pdserve_bench.detok:main",
     "cluster": "pdserve_bench.cluster_bench:main",
     "kvquant": "pdserve_bench.kvquant:main",
+    "wirecodec": "pdserve_bench.wirecodec:main",
 }
 # Whose settings ``pdserve env`` lists.
 CONFIGS = ("services.gateway.config:GatewayConfig", "services.router.config:RouterConfig",

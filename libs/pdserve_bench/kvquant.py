@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--chunk", type=int, default=128, help="prefill chunk (tokens)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (more spin against each other on a busy machine)")
     parser.add_argument("--json", action="store_true", help="one JSON object per dtype")
     args = parser.parse_args(argv)
     if min(args.prompt_tokens, args.new_tokens, args.chunk) < 1:

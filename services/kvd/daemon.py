@@ -31,6 +31,7 @@ from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
 from services.kvd.pool import PinRecord, Pool, SlotState
 from services.kvd.shipping import Shipper
+from services.kvd import wirecodec
 from services.kvd.transfer import Faults, UcxTransport
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Kvd:
         self.sync = IndexSync(index, self._record, self._present, config.heartbeat,
                               config.index_ttl, self._learn_nodes)
         self.layout: L.BlockLayout | None = None
+        self.codec = wirecodec.make(config.wire_codec)  # opt-in (--wire-codec)
         self.shipper: Shipper | None = None
         self._shm: shared_memory.SharedMemory | None = None
         self._lease_task: asyncio.Task[None] | None = None
@@ -130,7 +132,7 @@ class Kvd:
         self.layout = layout
         self.shipper = Shipper(Pool(num_slots, self.epoch), arr, L.HEADER_BYTES, slot_bytes,
                                self.transport, self.peers, self.sync, self.me,
-                               self.config.transfer_timeout, layout.dtype)
+                               self.config.transfer_timeout, layout.dtype, self.codec)
         log.info("pool created", extra={"fields": {"shm": self._shm.name, "slots": num_slots,
                                                     "slot_bytes": slot_bytes}})
 
