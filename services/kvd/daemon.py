@@ -26,12 +26,12 @@ from pdserve.hashing import HASH_LEN, block_checksum
 from pdserve.index import IndexUnavailable, NodeRecord, PrefixIndex
 from pdserve.kvd import layout as L
 from pdserve.proto.v1 import common_pb2, kvd_pb2
+from services.kvd import wirecodec
 from services.kvd.config import KvdConfig
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
 from services.kvd.pool import PinRecord, Pool, SlotState
 from services.kvd.shipping import Shipper
-from services.kvd import wirecodec
 from services.kvd.transfer import Faults, UcxTransport
 
 log = logging.getLogger(__name__)

@@ -42,11 +42,10 @@ from pdserve.hashing import block_checksum
 from pdserve.kvd.layout import QUANTIZED
 from pdserve.proto.v1 import common_pb2, kvd_pb2
 from pdserve.telemetry import outbound_metadata
-from services.kvd import metrics
+from services.kvd import metrics, wirecodec
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
 from services.kvd.pool import PinRecord, Pool
-from services.kvd import wirecodec
 from services.kvd.transfer import Message, TransportError, UcxTransport
 from services.kvd.wirecodec import WireCodec
 
