@@ -346,12 +346,13 @@ class UcxTransport:
         async def one(i: int, m: Message) -> int:
             view = self._view(m.dst_slot, m.num_blocks)
             buf = view if codec is None else codec.receive_buffer(view.nbytes)
+            caught: tuple[type[BaseException], ...] = (*self._errors, ValueError)
             self._begin()
             try:
                 await self._post(ep, buf, message_tag(transfer_id, i), send=False)
                 if codec is not None:
                     codec.decode(buf, view)
-            except (*self._errors, ValueError) as exc:
+            except caught as exc:
                 raise TransportError(f"receive failed: {exc}") from exc
             finally:
                 self._end()
