@@ -7,7 +7,9 @@ loaded once; for each ``--kv-cache-dtype`` an engine over those weights
   prefill, so later chunks attend over cached, quantized K/V): perplexity, and how often its
   top-1 choice equals the unquantized cache's at the same position;
 - generates ``--new-tokens`` greedy tokens from the text's first ``--prompt-tokens`` tokens:
-  the share of positions equal to the unquantized cache's, and the first that differs;
+  the share of positions equal to the unquantized cache's, the first that differs, and how
+  close a call the baseline's choice was there (top-1 minus top-2 logprob): after a first
+  difference the two continuations are different texts, so that share mostly says where;
 - reports KV bytes per token (values and scales) and tokens per GiB of cache.
 
 The first dtype listed is the baseline (default ``auto``: the model's own dtype).
@@ -44,6 +46,7 @@ class Run:
     top1: list[int]
     logprobs: list[float]
     greedy: list[int]
+    margins: list[float]  # top-1 minus top-2 logprob at each greedy step
     decode_tps: float
 
 
@@ -58,6 +61,7 @@ class Result:
     teacher_forced_agreement: float
     greedy_agreement: float
     first_divergence: int | None
+    baseline_margin_there: float | None  # the baseline's top-1 - top-2 logprob at it (nats)
     num_scored_tokens: int
     num_greedy_tokens: int
     decode_tps: float
@@ -74,13 +78,16 @@ def default_model() -> str:
 
 
 def _run_until_done(engine: Engine) -> dict[str, list]:
+    """Per request: [tokens, prompt logprobs, top-1 minus top-2 logprob per token]."""
     out: dict[str, list] = {}
     while engine.has_unfinished():
         for o in engine.step():
-            got = out.setdefault(o.request_id, [[], None])
+            got = out.setdefault(o.request_id, [[], None, []])
             got[0] += o.new_token_ids
             if o.prompt_logprobs is not None:
                 got[1] = o.prompt_logprobs
+            for lp in o.logprobs or []:
+                got[2].append(lp.top[0][1] - lp.top[1][1])
     return out
 
 
@@ -91,14 +98,15 @@ def run_one(lm: LoadedModel, kv_cache_dtype: str, text_ids: list[int], prompt_to
     engine.add_request("score", text_ids, SamplingParams(max_tokens=1, temperature=0.0,
                                                          prompt_logprobs=1))
     scored = _run_until_done(engine)["score"][1]
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=2)
     engine.add_request("greedy", text_ids[:prompt_tokens], params)
     t0 = time.perf_counter()
-    greedy = _run_until_done(engine)["greedy"][0]
+    greedy, _, margins = _run_until_done(engine)["greedy"]
     elapsed = time.perf_counter() - t0
     engine.check_integrity()
     return Run([lp.top[0][0] for lp in scored], [lp.logprob for lp in scored], greedy,
-               len(greedy) / elapsed)
+               margins, len(greedy) / elapsed)
 
 
 def _agreement(a: list[int], b: list[int]) -> float:
@@ -118,11 +126,12 @@ def compare(lm: LoadedModel, dtypes: list[str], runs: list[Run]) -> list[Result]
         ppl = math.exp(-sum(run.logprobs) / len(run.logprobs))
         diverged = [i for i, (x, y) in enumerate(zip(base.greedy, run.greedy, strict=True))
                     if x != y]
+        margin = round(base.margins[diverged[0]], 4) if diverged else None
         out.append(Result(
             name, per_token, GIB // per_token, round(base_bytes / per_token, 3), round(ppl, 4),
             round(100 * (ppl / base_ppl - 1), 3), round(_agreement(base.top1, run.top1), 4),
             round(_agreement(base.greedy, run.greedy), 4), diverged[0] if diverged else None,
-            len(run.logprobs), len(run.greedy), round(run.decode_tps, 1)))
+            margin, len(run.logprobs), len(run.greedy), round(run.decode_tps, 1)))
     return out
 
 
@@ -130,16 +139,19 @@ def format_table(model: str, dtype: str, results: list[Result]) -> str:
     lines = [f"model {model} (weights {dtype}), {torch.get_num_threads()} threads; baseline "
              f"KV cache: {results[0].kv_cache_dtype}",
              f"{'kv dtype':>9} {'B/token':>8} {'tok/GiB':>8} {'x cap':>6} {'ppl':>8} "
-             f"{'dppl %':>7} {'tf agree':>8} {'greedy':>7} {'1st diff':>8} {'dec tok/s':>9}"]
+             f"{'dppl %':>7} {'tf agree':>8} {'greedy':>7} {'1st diff':>8} {'margin':>7} "
+             f"{'dec tok/s':>9}"]
     for r in results:
         first = "-" if r.first_divergence is None else str(r.first_divergence)
+        margin = "-" if r.baseline_margin_there is None else f"{r.baseline_margin_there:.3f}"
         lines.append(f"{r.kv_cache_dtype:>9} {r.kv_bytes_per_token:>8} {r.tokens_per_gib:>8} "
                      f"{r.capacity_vs_baseline:>6.2f} {r.perplexity:>8.3f} "
                      f"{r.perplexity_change_pct:>7.2f} {r.teacher_forced_agreement:>8.3f} "
-                     f"{r.greedy_agreement:>7.3f} {first:>8} {r.decode_tps:>9.1f}")
+                     f"{r.greedy_agreement:>7.3f} {first:>8} {margin:>7} {r.decode_tps:>9.1f}")
     n = results[0]
     lines.append(f"({n.num_scored_tokens} held-out tokens scored teacher-forced; "
-                 f"{n.num_greedy_tokens} greedy tokens compared position by position)")
+                 f"{n.num_greedy_tokens} greedy tokens compared position by position; margin: "
+                 "the baseline's top-1 minus top-2 logprob where greedy first differs)")
     return "\n".join(lines)
 
 
