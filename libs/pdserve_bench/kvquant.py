@@ -1,7 +1,7 @@
 """``pdserve bench kvquant``: what a quantized KV cache costs in quality and gains in capacity.
 
-One model (default: SmolLM2-135M-Instruct, ``PDSERVE_SMOLLM2`` or ``/work/models/smollm2``) is
-loaded once; for each ``--kv-cache-dtype`` an engine over those weights
+One model (``--model``; default SmolLM2-135M-Instruct in ``/work/models/smollm2`` or
+``~/.cache/pdserve/smollm2``, where tests/e2e/real_model.py builds it) is loaded once; for each ``--kv-cache-dtype`` an engine over those weights
 
 - scores the held-out text (``heldout.py``) teacher-forced (``prompt_logprobs``, chunked
   prefill, so later chunks attend over cached, quantized K/V): perplexity, and how often its
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -68,9 +67,6 @@ class Result:
 
 
 def default_model() -> str:
-    given = os.environ.get("PDSERVE_SMOLLM2")
-    if given:
-        return given
     for path in DEFAULT_MODELS:
         if (Path(path) / "model.safetensors").is_file():
             return path
