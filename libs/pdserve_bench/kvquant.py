@@ -1,7 +1,8 @@
 """``pdserve bench kvquant``: what a quantized KV cache costs in quality and gains in capacity.
 
 One model (``--model``; default SmolLM2-135M-Instruct in ``/work/models/smollm2`` or
-``~/.cache/pdserve/smollm2``, where tests/e2e/real_model.py builds it) is loaded once; for each ``--kv-cache-dtype`` an engine over those weights
+``~/.cache/pdserve/smollm2``, where tests/e2e/real_model.py builds it) is loaded once; for
+each ``--kv-cache-dtype`` an engine over those weights
 
 - scores the held-out text (``heldout.py``) teacher-forced (``prompt_logprobs``, chunked
   prefill, so later chunks attend over cached, quantized K/V): perplexity, and how often its
