@@ -106,10 +106,19 @@ async def bench_grpc(address: str, n: int, reps: int) -> float:
 
 
 class KvdPair:
-    def __init__(self, a: KvdClient, b: KvdClient, b_endpoint: common_pb2.KvdEndpoint) -> None:
+    def __init__(self, a: KvdClient, b: KvdClient, b_endpoint: common_pb2.KvdEndpoint,
+                 layout: BlockLayout = LAYOUT) -> None:
         self.a, self.b, self.dest = a, b, b_endpoint
         self.seq = 0
-        self.source = torch.randn(LAYOUT.shape).to(torch.bfloat16)
+        # One block's bytes: random KV values (any bytes for a quantized block's values+scales).
+        if layout.is_quantized:
+            self.source = torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8)
+        else:
+            values = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
+            self.source = values.view(torch.uint8).reshape(-1)
+
+    def write(self, slot: int) -> None:
+        self.a.slot_view(slot).view(torch.uint8).reshape(-1).copy_(self.source)
 
     def hashes(self, n: int) -> list[bytes]:
         self.seq += 1
@@ -119,7 +128,7 @@ class KvdPair:
         """(b): blocks already written on A; time Commit-with-push -> present at B."""
         pins = await self.a.allocate(n)
         for p in pins:
-            self.a.slot_view(p.slot).copy_(self.source)
+            self.write(p.slot)
         sums = [block_checksum(self.a.slot_memory(p.slot)) for p in pins]
         hs = self.hashes(n)
         refs = [common_pb2.BlockRef(hash=h, checksum=s) for h, s in zip(hs, sums, strict=True)]
@@ -137,7 +146,7 @@ class KvdPair:
         t = time.perf_counter()
         pins = await self.a.allocate(n)
         for p in pins:
-            self.a.slot_view(p.slot).copy_(self.source)
+            self.write(p.slot)
         await self.a.commit([CommitEntry(p, h) for p, h in zip(pins, hs, strict=True)],
                             self.dest)
         got = await self.b.await_blocks([common_pb2.BlockRef(hash=h) for h in hs], timeout=120)
@@ -189,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="also print one JSON line per batch")
     ap.add_argument("--quick", action="store_true", help="batches of 1, 16, 64 MiB; fewer reps")
+    ap.add_argument("--kv-dtypes", action="store_true",
+                    help="instead: blocks/s of SmolLM2-sized blocks in each KV cache dtype")
     args = ap.parse_args(argv)
+    if args.kv_dtypes:
+        from pdserve_bench.transfer_dtypes import main as dtypes_main
+
+        return dtypes_main(args.json, args.quick)
     sizes = [1, 16, 64] if args.quick else [1, 64, 512]
     # Engine-side block copies are 1 MiB each: intra-op threads only add contention (on a busy
     # 2-core host, 40x slower copies).
