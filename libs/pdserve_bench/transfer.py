@@ -10,6 +10,11 @@ dims x 2 bytes), the same bytes moved by:
   (d) e2e     -- the engine path: write slots on A, Commit+push, Await on B, read, Release.
 Two real kvd processes and a gRPC sink process are started on loopback. ``--quick`` uses
 batches of 1, 16 and 64 blocks and fewer repetitions.
+
+``--kv-dtypes`` instead moves SmolLM2-135M's block (30 layers, 3 KV heads, head_dim 64, 16
+tokens: 737,280 bytes in float32, 368,640 in bfloat16, 195,840 in fp8/int8 with their scales)
+in each KV cache dtype, 512 blocks (64 with ``--quick``) per Commit with push until present at
+B, and reports blocks/s: what a decode receives per second.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -193,6 +200,75 @@ async def _run(sizes: list[int], quick: bool) -> list[dict[str, float]]:
             p.wait(timeout=30)
 
 
+# -- --kv-dtypes: blocks/s per KV cache dtype ----------------------------------------------------
+
+SHAPE = {"num_layers": 30, "block_size": 16, "num_kv_heads": 3, "head_dim": 64}
+DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all held open while picking, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _kvd(capacity_mib: int, port: int, peer: str) -> tuple[subprocess.Popen[str], str]:
+    """A kvd on ``port`` that accepts ``peer`` as a kvd node (push destinations and Transfer
+    callers must be registered: no Redis registry here)."""
+    proc, line = _spawn(["-m", "services.kvd", "--port", str(port), "--capacity-mib",
+                         str(capacity_mib), "--peers", peer])
+    if "listening on" not in line:
+        raise RuntimeError(f"kvd did not start: {line!r}")
+    return proc, line.split("listening on ")[1].split()[0]
+
+
+async def _one_dtype(dtype: str, num_blocks: int, reps: int) -> dict[str, float | str]:
+    layout = BlockLayout(**SHAPE, dtype=dtype)  # type: ignore[arg-type]
+    capacity = math.ceil(2 * num_blocks * layout.block_bytes / MIB) + 16
+    ports = _free_ports(2)
+    pa, addr_a = _kvd(capacity, ports[0], f"127.0.0.1:{ports[1]}")
+    pb, addr_b = _kvd(capacity, ports[1], f"127.0.0.1:{ports[0]}")
+    a, b = KvdClient(addr_a, "bench-a"), KvdClient(addr_b, "bench-b")
+    try:
+        await a.register(layout)
+        await b.register(layout)
+        pair = KvdPair(a, b, common_pb2.KvdEndpoint(node_id=addr_b, address=addr_b), layout)
+        await pair.kvd_once(1)  # warm-up: endpoints, channels
+        median = statistics.median([await pair.kvd_once(num_blocks) for _ in range(reps)])
+        return {"kv_dtype": dtype, "block_bytes": layout.block_bytes,
+                "num_blocks": num_blocks, "blocks_per_s": round(num_blocks / median),
+                "gbps": round(num_blocks * layout.block_bytes / median / 1e9, 3)}
+    finally:
+        await a.close()
+        await b.close()
+        for p in (pa, pb):
+            p.terminate()
+            p.wait(timeout=30)
+
+
+def main_kv_dtypes(as_json: bool, quick: bool) -> int:
+    """``--kv-dtypes``: kvd A -> kvd B blocks/s of SmolLM2-sized blocks in each KV cache
+    dtype (a kvd pool holds one dtype, so each gets its own pair of kvd processes, which
+    accept each other as peers: push destinations must be registered nodes)."""
+    num_blocks, reps = (64, 3) if quick else (512, 5)
+    rows = [asyncio.run(_one_dtype(d, num_blocks, reps)) for d in DTYPES]
+    print(f"{'kv dtype':>14} {'block bytes':>11} {'blocks':>6} {'blocks/s':>9} {'GB/s':>6}")
+    for r in rows:
+        print(f"{r['kv_dtype']:>14} {r['block_bytes']:>11} {r['num_blocks']:>6} "
+              f"{r['blocks_per_s']:>9} {r['gbps']:>6}")
+    print("(SmolLM2-135M blocks; kvd A -> kvd B, Commit with push until present at B; median)")
+    if as_json:
+        for r in rows:
+            print(json.dumps({"bench": "transfer_kv_dtypes", **r}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -202,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: blocks/s of SmolLM2-sized blocks in each KV cache dtype")
     args = ap.parse_args(argv)
     if args.kv_dtypes:
-        from pdserve_bench.transfer_dtypes import main as dtypes_main
-
-        return dtypes_main(args.json, args.quick)
+        return main_kv_dtypes(args.json, args.quick)
     sizes = [1, 16, 64] if args.quick else [1, 64, 512]
     # Engine-side block copies are 1 MiB each: intra-op threads only add contention (on a busy
     # 2-core host, 40x slower copies).
