@@ -4,7 +4,7 @@
     pdserve reload     a rolling reload of a running stack's weights (--model DIR)
     pdserve generate   offline generation with the built-in or a local model
     pdserve bench X    benchmarks: engine, transfer, router, serve, compare, detok, cluster,
-                       faults, reload, burst, all
+                       faults, reload, burst, kvquant, wirecodec, all
     pdserve sim        the P:D controller on a simulated cluster (the bench extra)
     pdserve <service>  one service: gateway, router, prefill, decode, kvd
     pdserve env        every PDSERVE_* variable and what it accepts
@@ -42,6 +42,8 @@ BENCHMARKS: dict[str, str] = {
     "faults": "pdserve_bench.faults:main",
     "reload": "pdserve_bench.reload:main",
     "burst": "pdserve_bench.burst:main",
+    "kvquant": "pdserve_bench.kvquant:main",
+    "wirecodec": "pdserve_bench.wirecodec:main",
 }
 # Whose settings ``pdserve env`` lists.
 CONFIGS = ("services.gateway.config:GatewayConfig", "services.router.config:RouterConfig",

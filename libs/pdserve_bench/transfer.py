@@ -10,6 +10,11 @@ dims x 2 bytes), the same bytes moved by:
   (d) e2e     -- the engine path: write slots on A, Commit+push, Await on B, read, Release.
 Two real kvd processes and a gRPC sink process are started on loopback. ``--quick`` uses
 batches of 1, 16 and 64 blocks and fewer repetitions.
+
+``--kv-dtypes`` instead moves SmolLM2-135M's block (30 layers, 3 KV heads, head_dim 64, 16
+tokens: 737,280 bytes in float32, 368,640 in bfloat16, 195,840 in fp8/int8 with their scales)
+in each KV cache dtype, 512 blocks (64 with ``--quick``) per Commit with push until present at
+B, and reports blocks/s: what a decode receives per second.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -106,10 +113,19 @@ async def bench_grpc(address: str, n: int, reps: int) -> float:
 
 
 class KvdPair:
-    def __init__(self, a: KvdClient, b: KvdClient, b_endpoint: common_pb2.KvdEndpoint) -> None:
+    def __init__(self, a: KvdClient, b: KvdClient, b_endpoint: common_pb2.KvdEndpoint,
+                 layout: BlockLayout = LAYOUT) -> None:
         self.a, self.b, self.dest = a, b, b_endpoint
         self.seq = 0
-        self.source = torch.randn(LAYOUT.shape).to(torch.bfloat16)
+        # One block's bytes: random KV values (any bytes for a quantized block's values+scales).
+        if layout.is_quantized:
+            self.source = torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8)
+        else:
+            values = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
+            self.source = values.view(torch.uint8).reshape(-1)
+
+    def write(self, slot: int) -> None:
+        self.a.slot_view(slot).view(torch.uint8).reshape(-1).copy_(self.source)
 
     def hashes(self, n: int) -> list[bytes]:
         self.seq += 1
@@ -119,7 +135,7 @@ class KvdPair:
         """(b): blocks already written on A; time Commit-with-push -> present at B."""
         pins = await self.a.allocate(n)
         for p in pins:
-            self.a.slot_view(p.slot).copy_(self.source)
+            self.write(p.slot)
         sums = [block_checksum(self.a.slot_memory(p.slot)) for p in pins]
         hs = self.hashes(n)
         refs = [common_pb2.BlockRef(hash=h, checksum=s) for h, s in zip(hs, sums, strict=True)]
@@ -137,7 +153,7 @@ class KvdPair:
         t = time.perf_counter()
         pins = await self.a.allocate(n)
         for p in pins:
-            self.a.slot_view(p.slot).copy_(self.source)
+            self.write(p.slot)
         await self.a.commit([CommitEntry(p, h) for p, h in zip(pins, hs, strict=True)],
                             self.dest)
         got = await self.b.await_blocks([common_pb2.BlockRef(hash=h) for h in hs], timeout=120)
@@ -184,12 +200,85 @@ async def _run(sizes: list[int], quick: bool) -> list[dict[str, float]]:
             p.wait(timeout=30)
 
 
+# -- --kv-dtypes: blocks/s per KV cache dtype ----------------------------------------------------
+
+SHAPE = {"num_layers": 30, "block_size": 16, "num_kv_heads": 3, "head_dim": 64}
+DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all held open while picking, so none repeats)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _kvd(capacity_mib: int, port: int, peer: str) -> tuple[subprocess.Popen[str], str]:
+    """A kvd on ``port`` that accepts ``peer`` as a kvd node (push destinations and Transfer
+    callers must be registered: no Redis registry here)."""
+    proc, line = _spawn(["-m", "services.kvd", "--port", str(port), "--capacity-mib",
+                         str(capacity_mib), "--peers", peer])
+    if "listening on" not in line:
+        raise RuntimeError(f"kvd did not start: {line!r}")
+    return proc, line.split("listening on ")[1].split()[0]
+
+
+async def _one_dtype(dtype: str, num_blocks: int, reps: int) -> dict[str, float | str]:
+    layout = BlockLayout(**SHAPE, dtype=dtype)  # type: ignore[arg-type]
+    capacity = math.ceil(2 * num_blocks * layout.block_bytes / MIB) + 16
+    ports = _free_ports(2)
+    pa, addr_a = _kvd(capacity, ports[0], f"127.0.0.1:{ports[1]}")
+    pb, addr_b = _kvd(capacity, ports[1], f"127.0.0.1:{ports[0]}")
+    a, b = KvdClient(addr_a, "bench-a"), KvdClient(addr_b, "bench-b")
+    try:
+        await a.register(layout)
+        await b.register(layout)
+        pair = KvdPair(a, b, common_pb2.KvdEndpoint(node_id=addr_b, address=addr_b), layout)
+        await pair.kvd_once(1)  # warm-up: endpoints, channels
+        median = statistics.median([await pair.kvd_once(num_blocks) for _ in range(reps)])
+        return {"kv_dtype": dtype, "block_bytes": layout.block_bytes,
+                "num_blocks": num_blocks, "blocks_per_s": round(num_blocks / median),
+                "gbps": round(num_blocks * layout.block_bytes / median / 1e9, 3)}
+    finally:
+        await a.close()
+        await b.close()
+        for p in (pa, pb):
+            p.terminate()
+            p.wait(timeout=30)
+
+
+def main_kv_dtypes(as_json: bool, quick: bool) -> int:
+    """``--kv-dtypes``: kvd A -> kvd B blocks/s of SmolLM2-sized blocks in each KV cache
+    dtype (a kvd pool holds one dtype, so each gets its own pair of kvd processes, which
+    accept each other as peers: push destinations must be registered nodes)."""
+    num_blocks, reps = (64, 3) if quick else (512, 5)
+    rows = [asyncio.run(_one_dtype(d, num_blocks, reps)) for d in DTYPES]
+    print(f"{'kv dtype':>14} {'block bytes':>11} {'blocks':>6} {'blocks/s':>9} {'GB/s':>6}")
+    for r in rows:
+        print(f"{r['kv_dtype']:>14} {r['block_bytes']:>11} {r['num_blocks']:>6} "
+              f"{r['blocks_per_s']:>9} {r['gbps']:>6}")
+    print("(SmolLM2-135M blocks; kvd A -> kvd B, Commit with push until present at B; median)")
+    if as_json:
+        for r in rows:
+            print(json.dumps({"bench": "transfer_kv_dtypes", **r}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="also print one JSON line per batch")
     ap.add_argument("--quick", action="store_true", help="batches of 1, 16, 64 MiB; fewer reps")
+    ap.add_argument("--kv-dtypes", action="store_true",
+                    help="instead: blocks/s of SmolLM2-sized blocks in each KV cache dtype")
     args = ap.parse_args(argv)
+    if args.kv_dtypes:
+        return main_kv_dtypes(args.json, args.quick)
     sizes = [1, 16, 64] if args.quick else [1, 64, 512]
     # Engine-side block copies are 1 MiB each: intra-op threads only add contention (on a busy
     # 2-core host, 40x slower copies).

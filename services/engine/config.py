@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pdserve.attention import BACKENDS
+from pdserve.attention.kv_quant import KV_CACHE_DTYPES
 from pdserve.engine.config import DTYPE_NAMES, EngineArgs
 from pdserve.env import (
     BLOCK_SIZE,
@@ -62,6 +63,10 @@ class EngineServiceConfig(GrpcServiceConfig):
     max_prompt_tokens: int = setting(0, int_kind(0),
                                      "longest accepted prompt; 0 = model context")
     attention_backend: str = setting("auto", choice_kind(*BACKENDS), "attention kernels")
+    kv_cache_dtype: str = setting(
+        "auto", choice_kind(*KV_CACHE_DTYPES),
+        "KV cache dtype: auto = the model's; fp8 (e4m3) or int8 with per-token per-head scales "
+        "(engines exchange blocks only with the same one)")
     threads: int = setting(0, int_kind(0), "torch CPU threads; 0 = torch's default")
     redis_url: str = redis_url_setting()
     advertise: str = setting("", OPTIONAL_ADDRESS,
@@ -109,6 +114,7 @@ class EngineServiceConfig(GrpcServiceConfig):
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len or None,
                 attention_backend=self.attention_backend, dtype=self.dtype,
+                kv_cache_dtype=self.kv_cache_dtype,
                 device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
                 cuda_graphs=self.cuda_graphs)
         except ValueError as exc:

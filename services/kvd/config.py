@@ -13,6 +13,7 @@ from pdserve.env import (
     BOOL,
     STR,
     ConfigError,
+    choice_kind,
     float_kind,
     int_kind,
     port_setting,
@@ -20,6 +21,7 @@ from pdserve.env import (
     setting,
 )
 from pdserve.server import GrpcServiceConfig
+from services.kvd.wirecodec import CODECS
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class KvdConfig(GrpcServiceConfig):
         30.0, float_kind(0.1),
         "seconds a transfer may go without progress before it is abandoned")
     max_message_kib: int = setting(8192, int_kind(4), "largest UCX message (runs of blocks)")
+    wire_codec: str = setting(
+        "none", choice_kind(*CODECS),
+        "lossless codec offered to peers for unquantized blocks, used when the peer enables "
+        "it too; off by default: it does not pay on a host's link (docs/benchmarks.md)")
     fault_corrupt_every: int = setting(
         0, int_kind(0), "TEST HOOK: flip a byte of every Nth block sent; 0 = off")
     fault_send_delay_ms: int = setting(

@@ -27,7 +27,7 @@ from pdserve.hashing import HASH_LEN, block_checksum
 from pdserve.index import IndexUnavailable, NodeRecord, PrefixIndex
 from pdserve.kvd import layout as L
 from pdserve.proto.v1 import common_pb2, kvd_pb2
-from services.kvd import segments
+from services.kvd import segments, wirecodec
 from services.kvd.config import KvdConfig
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
@@ -53,6 +53,7 @@ class Kvd:
         self.sync = IndexSync(index, self._record, self._present, config.heartbeat,
                               config.index_ttl, self._learn_nodes)
         self.layout: L.BlockLayout | None = None
+        self.codec = wirecodec.make(config.wire_codec)  # opt-in (--wire-codec)
         self.shipper: Shipper | None = None
         self._shm: shared_memory.SharedMemory | None = None
         self._lease_task: asyncio.Task[None] | None = None
@@ -118,6 +119,11 @@ class Kvd:
         """Fix the slot size on the first registration; later ones must match it."""
         if self.layout is None:
             self._create_pool(layout)
+        elif layout.is_quantized != self.layout.is_quantized or (
+                layout.is_quantized and layout.dtype != self.layout.dtype):
+            raise BadRequest(f"layout.dtype: KV cache dtype {layout.dtype}, but this pool "
+                             f"holds {self.layout.dtype} blocks (first registered layout); "
+                             "quantized and unquantized KV caches never share blocks")
         elif layout.block_bytes != self.layout.block_bytes:
             raise BadRequest(f"layout: blocks of {layout.block_bytes} bytes, but this pool's slots "
                              f"hold {self.layout.block_bytes} (first registered layout)")
@@ -149,7 +155,7 @@ class Kvd:
         self.layout = layout
         self.shipper = Shipper(Pool(num_slots, self.epoch), arr, L.HEADER_BYTES, slot_bytes,
                                self.transport, self.peers, self.sync, self.me,
-                               self.config.transfer_timeout)
+                               self.config.transfer_timeout, layout.dtype, self.codec)
         log.info("pool created", extra={"fields": {"shm": self._shm.name, "slots": num_slots,
                                                     "slot_bytes": slot_bytes}})
 
@@ -379,6 +385,11 @@ class Kvd:
         if req.slot_bytes != ship.slot_bytes:
             raise BadRequest(f"slot_bytes: peer blocks are {req.slot_bytes} bytes, ours "
                              f"{ship.slot_bytes}")
+        if req.kv_dtype and self.layout is not None and req.kv_dtype != self.layout.dtype:
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"kv_dtype: peer blocks are {req.kv_dtype}, this pool holds "
+                              f"{self.layout.dtype}; quantized and unquantized KV caches never "
+                              "exchange blocks")
         if len(req.slots) != len(req.blocks):
             raise BadRequest(f"slots: {len(req.slots)} slots for {len(req.blocks)} blocks")
         if not req.peer.node_id or not req.peer.address or not req.ucx_address:

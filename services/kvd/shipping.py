@@ -39,13 +39,15 @@ import numpy as np
 
 from pdserve.errors import StatusError
 from pdserve.hashing import block_checksum
+from pdserve.kvd.layout import QUANTIZED
 from pdserve.proto.v1 import common_pb2, kvd_pb2
 from pdserve.telemetry import outbound_metadata
-from services.kvd import metrics
+from services.kvd import metrics, wirecodec
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
 from services.kvd.pool import PinRecord, Pool
 from services.kvd.transfer import Message, TransportError, UcxTransport
+from services.kvd.wirecodec import WireCodec
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class Inbound:
     slots: list[int]  # this pool's
     checksums: list[int]
     attempt: int = 0
+    codec: str = ""  # negotiated for this transfer; "" = raw bytes
 
 
 class Shipper:
@@ -83,7 +86,8 @@ class Shipper:
 
     def __init__(self, pool: Pool, arr: np.ndarray, data_offset: int, slot_bytes: int,
                  transport: UcxTransport, peers: Peers, sync: IndexSync,
-                 me: common_pb2.KvdEndpoint, transfer_timeout: float) -> None:
+                 me: common_pb2.KvdEndpoint, transfer_timeout: float,
+                 kv_dtype: str = "", codec: WireCodec | None = None) -> None:
         self.pool = pool
         self._arr = arr
         self._data_offset = data_offset
@@ -93,6 +97,9 @@ class Shipper:
         self._sync = sync
         self._me = me
         self._timeout = transfer_timeout
+        self.kv_dtype = kv_dtype  # announced in every Transfer; the peer refuses a mismatch
+        self.codec = codec  # offered per transfer, used if the peer accepts (wirecodec.py)
+        self._offer = "" if codec is None or kv_dtype in QUANTIZED else codec.name
         self.counters = Counters()
         self.inbound: dict[bytes, asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -125,7 +132,8 @@ class Shipper:
         tid = secrets.randbits(64)
         req = kvd_pb2.TransferRequest(direction=_PUSH, peer=self._me, blocks=refs,
                                       ucx_address=self._transport.address, transfer_id=tid,
-                                      slots=list(slots), slot_bytes=self.slot_bytes)
+                                      slots=list(slots), slot_bytes=self.slot_bytes,
+                                      kv_dtype=self.kv_dtype, codec=self._offer)
         try:
             resp = await self._peers.stub(dest.address).Transfer(
                 req, timeout=RPC_TIMEOUT_S, metadata=outbound_metadata(self._peers.metadata))
@@ -139,7 +147,8 @@ class Shipper:
         self._release([p for p, ok in zip(pins, resp.accepted, strict=False) if not ok])
         if sent:
             messages = self._transport.plan([p.slot for p in sent], list(resp.slots))
-            self._spawn(self._send(dest, resp.ucx_address, tid, messages, sent))
+            self._spawn(self._send(dest, resp.ucx_address, tid, messages, sent,
+                                   self._agreed(resp.codec)))
         return len(sent)
 
     def serve_pull(self, req: kvd_pb2.TransferRequest) -> kvd_pb2.TransferResponse:
@@ -152,19 +161,30 @@ class Shipper:
             if slot is not None:
                 pins.append(self._pin_for_transfer(slot))
         dst = [s for s, ok in zip(req.slots, accepted, strict=True) if ok]
+        codec = self._accept(req.codec)
         if pins:
             messages = self._transport.plan([p.slot for p in pins], dst)
-            self._spawn(self._send(req.peer, req.ucx_address, req.transfer_id, messages, pins))
+            self._spawn(self._send(req.peer, req.ucx_address, req.transfer_id, messages, pins,
+                                   self._agreed(codec)))
         return kvd_pb2.TransferResponse(accepted=accepted, ucx_address=self._transport.address,
-                                        slots=[p.slot for p in pins], checksums=checksums)
+                                        slots=[p.slot for p in pins], checksums=checksums,
+                                        codec=codec)
+
+    def _accept(self, offered: str) -> str:
+        return wirecodec.accept(offered, self._offer, self.kv_dtype in QUANTIZED)
+
+    def _agreed(self, codec: str) -> WireCodec | None:
+        return self.codec if codec and self.codec is not None and codec == self.codec.name \
+            else None
 
     async def _send(self, dest: common_pb2.KvdEndpoint, address: bytes, tid: int,
-                    messages: list[Message], pins: list[PinRecord]) -> None:
+                    messages: list[Message], pins: list[PinRecord],
+                    codec: WireCodec | None = None) -> None:
         try:
             with metrics.transfer(self._me.node_id, "out", dest.node_id, len(pins),
                                   len(pins) * self.slot_bytes):
                 ep = await self._transport.endpoint(dest.node_id, address)
-                send = asyncio.ensure_future(self._transport.send(ep, tid, messages))
+                send = asyncio.ensure_future(self._transport.send(ep, tid, messages, codec))
                 await self._watch(send, dest)
             self.counters.bytes_out += len(pins) * self.slot_bytes
             self.counters.num_transfers += 1
@@ -207,7 +227,7 @@ class Shipper:
         src = [s for s, ok in zip(req.slots, accepted, strict=True) if ok]
         slots = self._reserve([r.hash for r in refs])
         tr = Inbound(req.transfer_id, req.peer, [r.hash for r in refs], slots,
-                     [r.checksum for r in refs])
+                     [r.checksum for r in refs], codec=self._accept(req.codec))
         if refs:
             try:
                 ep = await self._transport.endpoint(req.peer.node_id, req.ucx_address)
@@ -217,7 +237,7 @@ class Shipper:
                 raise err from exc
             self._spawn(self._receive(tr, ep, self._transport.plan(src, slots)))
         return kvd_pb2.TransferResponse(accepted=accepted, ucx_address=self._transport.address,
-                                        slots=slots)
+                                        slots=slots, codec=tr.codec)
 
     def _reserve(self, hashes: list[bytes]) -> list[int]:
         slots = self.pool.reserve(hashes) if hashes else []
@@ -242,7 +262,8 @@ class Shipper:
         req = kvd_pb2.TransferRequest(direction=_PULL, peer=self._me, blocks=refs,
                                       ucx_address=self._transport.address,
                                       transfer_id=tr.transfer_id, slots=tr.slots,
-                                      slot_bytes=self.slot_bytes)
+                                      slot_bytes=self.slot_bytes,
+                                      kv_dtype=self.kv_dtype, codec=self._offer)
         try:
             resp = await self._peers.stub(tr.peer.address).Transfer(
                 req, timeout=RPC_TIMEOUT_S, metadata=outbound_metadata(self._peers.metadata))
@@ -259,7 +280,7 @@ class Shipper:
             return
         sums = [tr.checksums[i] or resp.checksums[i] for i in keep]
         got = Inbound(tr.transfer_id, tr.peer, [tr.hashes[i] for i in keep],
-                      [tr.slots[i] for i in keep], sums, tr.attempt)
+                      [tr.slots[i] for i in keep], sums, tr.attempt, resp.codec)
         try:
             ep = await self._transport.endpoint(tr.peer.node_id, resp.ucx_address)
         except TransportError as exc:
@@ -273,7 +294,8 @@ class Shipper:
             await self._receive_all(tr, ep, messages)
 
     async def _receive_all(self, tr: Inbound, ep: object, messages: list[Message]) -> None:
-        tasks = self._transport.post_receives(ep, tr.transfer_id, messages)
+        tasks = self._transport.post_receives(ep, tr.transfer_id, messages,
+                                              self._agreed(tr.codec))
         firsts = np.cumsum([0] + [m.num_blocks for m in messages]).tolist()
         bad: list[int] = []
         done_msgs: set[int] = set()

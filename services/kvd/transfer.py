@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from services.kvd.wirecodec import WireCodec
+
 log = logging.getLogger(__name__)
 
 
@@ -317,30 +319,40 @@ class UcxTransport:
             copy[i * self._slot_bytes] ^= 0xFF
         return copy
 
-    async def send(self, ep: Any, transfer_id: int, messages: Sequence[Message]) -> None:
-        """Send every message (all posted at once, so UCX pipelines them)."""
+    async def send(self, ep: Any, transfer_id: int, messages: Sequence[Message],
+                   codec: WireCodec | None = None) -> None:
+        """Send every message (all posted at once, so UCX pipelines them); through ``codec``
+        when the transfer negotiated one (wirecodec.py)."""
         self._begin()
         try:
             if self._faults.send_delay_ms:
                 await asyncio.sleep(self._faults.send_delay_ms / 1000)
+            bufs = [self._outgoing(m) for m in messages]
+            if codec is not None:
+                bufs = [codec.encode(b) for b in bufs]
             await asyncio.gather(*[
-                self._post(ep, self._outgoing(m), message_tag(transfer_id, i), send=True)
-                for i, m in enumerate(messages)])
+                self._post(ep, buf, message_tag(transfer_id, i), send=True)
+                for i, buf in enumerate(bufs)])
         except self._errors as exc:
             raise TransportError(f"send failed: {exc}") from exc
         finally:
             self._end()
 
-    def post_receives(self, ep: Any, transfer_id: int,
-                      messages: Sequence[Message]) -> list[asyncio.Task[int]]:
-        """One task per message, each returning its index once the bytes are in the pool."""
+    def post_receives(self, ep: Any, transfer_id: int, messages: Sequence[Message],
+                      codec: WireCodec | None = None) -> list[asyncio.Task[int]]:
+        """One task per message, each returning its index once the bytes are in the pool
+        (received into a buffer and decoded there, with a ``codec``)."""
 
         async def one(i: int, m: Message) -> int:
+            view = self._view(m.dst_slot, m.num_blocks)
+            buf = view if codec is None else codec.receive_buffer(view.nbytes)
+            caught: tuple[type[BaseException], ...] = (*self._errors, ValueError)
             self._begin()
             try:
-                await self._post(ep, self._view(m.dst_slot, m.num_blocks),
-                                 message_tag(transfer_id, i), send=False)
-            except self._errors as exc:
+                await self._post(ep, buf, message_tag(transfer_id, i), send=False)
+                if codec is not None:
+                    codec.decode(buf, view)
+            except caught as exc:
                 raise TransportError(f"receive failed: {exc}") from exc
             finally:
                 self._end()

@@ -15,7 +15,11 @@ It implements FlashInfer's documented semantics for what ``FlashInferBackend`` c
 - head_dim is dispatched for 64, 128, 256 and 512 only;
 - the float workspace "must be initialized to 0 for its first use";
 - in CUDA graph mode the page table lives in the buffers given at construction and the batch
-  size is fixed by them.
+  size is fixed by them;
+- ``plan``'s ``kv_data_type`` must be the cache's dtype at ``run`` (FlashInfer's
+  ``_check_cached_qkv_data_type``), which may be float8_e4m3fn with q in half precision;
+  ``run``'s scalar ``k_scale`` multiplies the softmax scale and ``v_scale`` the output
+  (flashinfer/decode.py, ``run``).
 
 Every ``plan`` call is recorded in ``PLANS`` (wrapper kind and the arguments) for assertions.
 """
@@ -44,6 +48,12 @@ def _check_shape(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> int:
     if num_qo_heads % num_kv_heads:
         raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
     return num_qo_heads // num_kv_heads
+
+
+def _check_dtype(planned: Any, cache: torch.Tensor) -> None:
+    if planned != cache.dtype:
+        raise ValueError(f"The dtype of paged_kv_cache {cache.dtype} does not match the "
+                         f"kv_data_type {planned} specified in plan function.")
 
 
 def _kv_of(cache: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
@@ -94,7 +104,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
              pos_encoding_mode: str = "NONE", sm_scale: float | None = None,
              q_data_type: Any = torch.float16, kv_data_type: Any = None) -> None:
         PLANS.append({"kind": "decode", "indptr": indptr, "indices": indices,
-                      "last_page_len": last_page_len, "tensor_cores": self.use_tensor_cores})
+                      "last_page_len": last_page_len, "tensor_cores": self.use_tensor_cores,
+                      "q_data_type": q_data_type, "kv_data_type": kv_data_type})
+        self._kv_dtype = kv_data_type or q_data_type
         group = _check_shape(num_qo_heads, num_kv_heads, head_dim)
         if not self.use_tensor_cores and group not in CUDA_CORE_GROUPS:
             raise RuntimeError(f"Unsupported group_size: {group}")
@@ -112,13 +124,15 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._table = (indptr.clone(), indices.clone(), last_page_len.clone())
         self._scale = sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim)
 
-    def run(self, q: torch.Tensor, paged_kv_cache: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, paged_kv_cache: torch.Tensor, *,
+            k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:
+        _check_dtype(self._kv_dtype, paged_kv_cache)
         indptr, indices, last = self._table
         if q.shape[0] != len(last):
             raise ValueError(f"q has {q.shape[0]} rows for a batch of {len(last)}")
         outs = [_attend(q[b:b + 1], *_kv_of(paged_kv_cache, indptr, indices, last, b),
-                        self._scale, causal=False) for b in range(len(last))]
-        return torch.cat(outs)
+                        self._scale * (k_scale or 1.0), causal=False) for b in range(len(last))]
+        return torch.cat(outs) * (v_scale or 1.0)
 
 
 class BatchPrefillWithPagedKVCacheWrapper:
@@ -133,20 +147,25 @@ class BatchPrefillWithPagedKVCacheWrapper:
              causal: bool = False, sm_scale: float | None = None,
              q_data_type: Any = torch.float16, kv_data_type: Any = None) -> None:
         PLANS.append({"kind": "prefill", "qo_indptr": qo_indptr, "indptr": paged_kv_indptr,
-                      "indices": paged_kv_indices, "last_page_len": paged_kv_last_page_len})
+                      "indices": paged_kv_indices, "last_page_len": paged_kv_last_page_len,
+                      "q_data_type": q_data_type, "kv_data_type": kv_data_type})
+        self._kv_dtype = kv_data_type or q_data_type
         _check_shape(num_qo_heads, num_kv_heads, head_dim_qk)
         self._table = (qo_indptr.clone(), paged_kv_indptr.clone(), paged_kv_indices.clone(),
                        paged_kv_last_page_len.clone())
         self._causal = causal
         self._scale = sm_scale if sm_scale is not None else 1 / math.sqrt(head_dim_qk)
 
-    def run(self, q: torch.Tensor, paged_kv_cache: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, paged_kv_cache: torch.Tensor, *,
+            k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:
+        _check_dtype(self._kv_dtype, paged_kv_cache)
         qo, indptr, indices, last = self._table
         outs = []
         for b in range(len(last)):
             k, v = _kv_of(paged_kv_cache, indptr, indices, last, b)
-            outs.append(_attend(q[int(qo[b]):int(qo[b + 1])], k, v, self._scale, self._causal))
-        return torch.cat(outs)
+            outs.append(_attend(q[int(qo[b]):int(qo[b + 1])], k, v,
+                                self._scale * (k_scale or 1.0), self._causal))
+        return torch.cat(outs) * (v_scale or 1.0)
 
 
 def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
@@ -155,6 +174,8 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
                           kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor,
                           kv_layout: str = "NHD") -> None:
     assert kv_layout == "NHD"
+    if append_key.dtype != paged_kv_cache.dtype:  # the kernel writes the cache's type as is
+        raise ValueError(f"append_key is {append_key.dtype}, the cache {paged_kv_cache.dtype}")
     page_size = paged_kv_cache.shape[2]
     for i in range(append_key.shape[0]):
         b, pos = int(batch_indices[i]), int(positions[i])

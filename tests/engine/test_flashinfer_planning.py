@@ -12,6 +12,7 @@ import pdserve.attention as attention
 from pdserve.attention import get_backend
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.flashinfer_backend import FlashInferBackend, unsupported_reason
+from pdserve.attention.torch_backend import TorchBackend
 from tests.engine import flashinfer_standin as standin
 
 PAGE, HD, PAGES, KVH = 4, 64, 48, 2
@@ -134,3 +135,38 @@ def test_auto_falls_back_to_torch_saying_why(monkeypatch: pytest.MonkeyPatch,
     assert reason in record.fields["reason"]  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match=f"cannot serve this model: {reason}"):
         get_backend("flashinfer", kv_caches=[cache], num_qo_heads=heads)
+
+
+@pytest.mark.parametrize(("cached", "new"), [([0, 5, 9], [6, 3, 1]), ([3, 8], [1, 1])])
+def test_fp8_cache_is_planned_natively_and_matches_torch(cached: list[int],
+                                                        new: list[int]) -> None:
+    """An fp8 cache: planned with kv_data_type float8_e4m3fn and q in bf16, K/V cast to e4m3
+    on append, run with unit k_scale/v_scale; the torch backend reading the same bytes with
+    unit scales (the layout FlashInfer keeps) gives the same output."""
+    standin.PLANS.clear()
+    md, layers, (q, k, v) = _step(cached, new, 3, heads=8)
+    fp8 = [t.to(torch.float8_e4m3fn) for t in layers]
+    ref_layers = [t.clone() for t in fp8]
+    scales = [torch.ones(t.shape[:-1]) for t in fp8]
+    ref = TorchBackend(ref_layers, kv_scales=scales, unit_scales=True)
+    fib = FlashInferBackend(fp8, num_qo_heads=8, fi=standin,  # type: ignore[arg-type]
+                            q_dtype=DT)
+    ref.prepare(md)
+    fib.prepare(md)
+    assert standin.PLANS[-1]["kv_data_type"] == torch.float8_e4m3fn
+    assert standin.PLANS[-1]["q_data_type"] == DT
+    for layer_id in range(len(fp8)):
+        torch.testing.assert_close(fib.forward(layer_id, q, k, v).float(),
+                                   ref.forward(layer_id, q, k, v).float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(fp8[layer_id].view(torch.uint8),
+                           ref_layers[layer_id].view(torch.uint8))  # the same e4m3 bytes
+
+
+def test_kv_dtypes_flashinfer_cannot_serve_are_named() -> None:
+    assert unsupported_reason(64, 8, 2, DT, torch.float8_e4m3fn) is None
+    assert "KV cache dtype torch.int8 has no FlashInfer kernel" in (
+        unsupported_reason(64, 8, 2, DT, torch.int8) or "")
+    cache = torch.zeros(4, 2, 16, 2, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match="torch.int8 has no FlashInfer kernel"):
+        FlashInferBackend([cache], num_qo_heads=8, fi=standin,  # type: ignore[arg-type]
+                          q_dtype=DT)

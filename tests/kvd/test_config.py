@@ -29,7 +29,7 @@ def test_flags_and_env_twins() -> None:
 @pytest.mark.parametrize("kwargs,field", [
     ({"num_layers": 0}, "layout.num_layers"),
     ({"head_dim": -1}, "layout.head_dim"),
-    ({"dtype": "int8"}, "layout.dtype"),
+    ({"dtype": "fp4"}, "layout.dtype"),  # (int8 and float8_e4m3fn are quantized KV)
 ])
 def test_layout_errors_name_the_field(kwargs: dict[str, object], field: str) -> None:
     base: dict[str, object] = {"num_layers": 2, "block_size": 16, "num_kv_heads": 2,

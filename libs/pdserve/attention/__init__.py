@@ -1,6 +1,7 @@
 """Attention backends, imported lazily so CPU code never imports FlashInfer or touches CUDA.
 
-    get_backend("auto" | "torch" | "flashinfer", kv_caches=[...], num_qo_heads=..., scale=...)
+    get_backend("auto" | "torch" | "flashinfer", kv_caches=[...], num_qo_heads=..., scale=...,
+                kv_scales=[...] for a quantized (fp8/int8) cache, q_dtype=the model's dtype)
 
 "auto" picks FlashInfer only when the cache lives on CUDA in float16/bfloat16, the package is
 installed and FlashInfer dispatches the shape (head_dim, query heads per KV head); otherwise
@@ -39,7 +40,8 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     return name
 
 
-def flashinfer_unsupported(kv_cache: torch.Tensor, num_qo_heads: int | None) -> str | None:
+def flashinfer_unsupported(kv_cache: torch.Tensor, num_qo_heads: int | None,
+                           q_dtype: torch.dtype | None = None) -> str | None:
     """Why FlashInfer cannot serve this cache and head count (None: it can). Pure shape
     checks: nothing of FlashInfer is imported."""
     from pdserve.attention.flashinfer_backend import unsupported_reason
@@ -47,17 +49,20 @@ def flashinfer_unsupported(kv_cache: torch.Tensor, num_qo_heads: int | None) -> 
     if num_qo_heads is None:
         return "num_qo_heads is required for the flashinfer backend"
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
-    return unsupported_reason(head_dim, num_qo_heads, num_kv_heads, kv_cache.dtype)
+    return unsupported_reason(head_dim, num_qo_heads, num_kv_heads, q_dtype or kv_cache.dtype,
+                              kv_cache.dtype)
 
 
 def get_backend(name: str, kv_caches: list[torch.Tensor], num_qo_heads: int | None = None,
-                scale: float | None = None) -> AttentionBackend:
-    """Build the backend over per-layer caches ``[pages, 2, page_size, kv_heads, head_dim]``."""
+                scale: float | None = None, kv_scales: list[torch.Tensor] | None = None,
+                q_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """Build the backend over per-layer caches ``[pages, 2, page_size, kv_heads, head_dim]``
+    (and, quantized, their scales ``[pages, 2, page_size, kv_heads]``)."""
     if not kv_caches:
         raise ValueError("kv_caches must hold one tensor per layer")
     resolved = resolve_backend(name, kv_caches[0].device)
     if resolved == "flashinfer":
-        reason = flashinfer_unsupported(kv_caches[0], num_qo_heads)
+        reason = flashinfer_unsupported(kv_caches[0], num_qo_heads, q_dtype)
         if reason is not None and name == "flashinfer":
             raise ValueError(f"attention_backend 'flashinfer' cannot serve this model: {reason}")
         if reason is not None:
@@ -68,7 +73,8 @@ def get_backend(name: str, kv_caches: list[torch.Tensor], num_qo_heads: int | No
         from pdserve.attention.flashinfer_backend import FlashInferBackend
 
         assert num_qo_heads is not None
-        return FlashInferBackend(kv_caches, num_qo_heads=num_qo_heads, scale=scale)
+        return FlashInferBackend(kv_caches, num_qo_heads=num_qo_heads, scale=scale,
+                                 q_dtype=q_dtype)
     from pdserve.attention.torch_backend import TorchBackend
 
-    return TorchBackend(kv_caches, scale=scale)
+    return TorchBackend(kv_caches, scale=scale, kv_scales=kv_scales)

@@ -18,6 +18,13 @@ Decode uses FlashInfer's tensor-core kernel when a KV head serves more than 4 qu
 CUDA-core kernel only instantiates groups {1, 2, 3, 4, 6, 8} and is the slower one there.
 ``graph_bucket(batch_size, max_pages)`` gives a decode wrapper and store inputs with fixed
 buffers, for CUDA graph capture. FlashInfer itself is imported only when a backend is built.
+
+An fp8 cache (``--kv-cache-dtype fp8``) is passed natively: ``kv_data_type`` float8_e4m3fn,
+q in the model's dtype, new K/V cast to e4m3 (clamped to ±448) before the append. FlashInfer's
+fp8 kernels take one scalar ``k_scale``/``v_scale`` per call, not per-token scales, so this
+cache keeps unit scales (``PagedKVCache.unit_scales``; kv_quant.py) and runs with scale 1.0.
+int8 has no FlashInfer kernel. (Planned and checked on CPU with the stand-in; not yet run on
+a GPU.)
 """
 
 from __future__ import annotations
@@ -35,11 +42,14 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 HEAD_DIMS = (64, 128, 256, 512)  # what FlashInfer's kernels dispatch
 MAX_CUDA_CORE_GROUP = 4  # larger query-head groups use the tensor-core decode kernel
 DTYPES = (torch.float16, torch.bfloat16)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
 
 
 def unsupported_reason(head_dim: int, num_qo_heads: int, num_kv_heads: int,
-                       dtype: torch.dtype) -> str | None:
-    """Why FlashInfer cannot serve this attention shape, or None when it can."""
+                       dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str | None:
+    """Why FlashInfer cannot serve this attention shape (``dtype``: q's, ``kv_dtype``: the
+    cache's, default the same), or None when it can."""
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} is not one FlashInfer dispatches {HEAD_DIMS}"
     if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
@@ -47,6 +57,9 @@ def unsupported_reason(head_dim: int, num_qo_heads: int, num_kv_heads: int,
                 "KV heads")
     if dtype not in DTYPES:
         return f"dtype {dtype} is not float16 or bfloat16"
+    if kv_dtype is not None and kv_dtype not in (dtype, FP8):
+        return (f"KV cache dtype {kv_dtype} has no FlashInfer kernel (fp8 e4m3 or the "
+                "model's dtype)")
     return None
 
 
@@ -101,14 +114,18 @@ class GraphBucket:
 
 class FlashInferBackend(AttentionBackend):
     def __init__(self, kv_caches: list[torch.Tensor], num_qo_heads: int,
-                 scale: float | None = None, fi: ModuleType | None = None) -> None:
+                 scale: float | None = None, fi: ModuleType | None = None,
+                 q_dtype: torch.dtype | None = None) -> None:
         self.kv_caches = kv_caches
         _, _, self.page_size, self.num_kv_heads, self.head_dim = kv_caches[0].shape
         self.num_qo_heads = num_qo_heads
         self.scale = scale
         self.device = kv_caches[0].device
-        self.dtype = kv_caches[0].dtype
-        reason = unsupported_reason(self.head_dim, num_qo_heads, self.num_kv_heads, self.dtype)
+        self.kv_dtype = kv_caches[0].dtype
+        self.dtype = q_dtype or self.kv_dtype
+        self.is_fp8 = self.kv_dtype == FP8
+        reason = unsupported_reason(self.head_dim, num_qo_heads, self.num_kv_heads, self.dtype,
+                                    self.kv_dtype)
         if reason is not None:
             raise ValueError(f"attention_backend 'flashinfer': {reason}")
         self.fi = fi if fi is not None else load_flashinfer()
@@ -160,7 +177,7 @@ class FlashInferBackend(AttentionBackend):
             store = bucket.store
         self._store = store
         common: dict[str, Any] = dict(sm_scale=self.scale, q_data_type=self.dtype,
-                                      kv_data_type=self.dtype)
+                                      kv_data_type=self.kv_dtype)
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size)
         if metadata.is_decode_only or bucket is not None:
             self._wrapper = bucket.decoder if bucket is not None else self._decode
@@ -187,8 +204,13 @@ class FlashInferBackend(AttentionBackend):
     ) -> torch.Tensor:
         cache = self.kv_caches[layer_id]
         kv_indices, kv_indptr, last_page_len, batch_indices, positions = self._store
+        if self.is_fp8:  # unit scales: cast as is (e4m3 saturates at ±448; NaN beyond)
+            k = k.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            v = v.clamp(-FP8_MAX, FP8_MAX).to(FP8)
         # Store first (one kernel for K and V): the new tokens attend to themselves.
         self.fi.page.append_paged_kv_cache(
             k, v, batch_indices, positions, cache, kv_indices, kv_indptr, last_page_len,
             kv_layout="NHD")
+        if self.is_fp8:
+            return self._wrapper.run(q.contiguous(), cache, k_scale=1.0, v_scale=1.0)
         return self._wrapper.run(q.contiguous(), cache)

@@ -13,6 +13,10 @@ each) and prefill (chunks), so a long chunk never pads every decode row to its l
 
 so every layer is one index_copy per K/V (store), then per group one index_select (gather) and
 one SDPA, with no Python loop over sequences or tokens.
+
+A quantized cache (fp8/int8, ``kv_quant.py``) has a second row array of scales
+``[pages * 2 * page_size, kv_heads]``: the store quantizes each new token's heads and writes
+values and scales at the same rows; the gather reads both and dequantizes to q's dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.attention.kv_quant import BY_STORAGE_NAME, KVQuant
 
 
 class _GroupPlan:
@@ -61,12 +66,19 @@ class _GroupPlan:
             self.mask = mask[:, None]
 
     def attend(self, q: torch.Tensor, rows: torch.Tensor, num_kv_heads: int,
-               scale: float | None) -> torch.Tensor:
+               scale: float | None, scale_rows: torch.Tensor | None = None) -> torch.Tensor:
         """q: the step's [T, H, D]; returns [tokens of this group, H, D] in token order."""
         num_seqs, max_q, max_kv = self.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
-        kv = rows.index_select(0, self.gather_rows).view(
-            2, num_seqs, max_kv, num_kv_heads, head_dim).transpose(2, 3).to(q.dtype)
+        if scale_rows is None:
+            kv = rows.index_select(0, self.gather_rows).to(q.dtype)
+        else:
+            vals = rows.view(torch.uint8).index_select(0, self.gather_rows).view(rows.dtype)
+            kv = KVQuant.dequantize(vals.view(-1, num_kv_heads, head_dim),
+                                    scale_rows.index_select(0, self.gather_rows).view(-1,
+                                                                                  num_kv_heads),
+                                    q.dtype)
+        kv = kv.view(2, num_seqs, max_kv, num_kv_heads, head_dim).transpose(2, 3)
         qp = q if self.is_whole_step else q.index_select(0, self.q_index.flatten())
         qp = qp.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
@@ -77,10 +89,17 @@ class _GroupPlan:
 
 
 class TorchBackend(AttentionBackend):
-    def __init__(self, kv_caches: list[torch.Tensor], scale: float | None = None) -> None:
+    def __init__(self, kv_caches: list[torch.Tensor], scale: float | None = None,
+                 kv_scales: list[torch.Tensor] | None = None, unit_scales: bool = False) -> None:
         if not kv_caches:
             raise ValueError("kv_caches must hold one tensor per layer")
         self.kv_caches = kv_caches
+        self.kv_scales = kv_scales
+        self.unit_scales = unit_scales  # write as FlashInfer does (fp8, scale 1): kv_quant.py
+        self.quant = BY_STORAGE_NAME.get(str(kv_caches[0].dtype).removeprefix("torch."))
+        if (self.quant is None) != (kv_scales is None):
+            raise ValueError("kv_scales must be given exactly when the cache is quantized "
+                             f"(cache dtype {kv_caches[0].dtype})")
         _, _, self.page_size, self.num_kv_heads, self.head_dim = kv_caches[0].shape
         self.scale = scale
         self.device = kv_caches[0].device
@@ -104,12 +123,27 @@ class TorchBackend(AttentionBackend):
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         rows = self.kv_caches[layer_id].view(-1, self.num_kv_heads * self.head_dim)
-        num_tokens = q.shape[0]
-        rows.index_copy_(0, self.store_k, k.reshape(num_tokens, -1).to(rows.dtype))
-        rows.index_copy_(0, self.store_v, v.reshape(num_tokens, -1).to(rows.dtype))
+        scale_rows = None
+        if self.kv_scales is None:
+            num_tokens = q.shape[0]
+            rows.index_copy_(0, self.store_k, k.reshape(num_tokens, -1).to(rows.dtype))
+            rows.index_copy_(0, self.store_v, v.reshape(num_tokens, -1).to(rows.dtype))
+        else:
+            scale_rows = self.kv_scales[layer_id].view(-1, self.num_kv_heads)
+            self._store_quantized(rows, scale_rows, k, v)
         if len(self.groups) == 1:  # one group holds every token, in order
-            return self.groups[0].attend(q, rows, self.num_kv_heads, self.scale)
+            return self.groups[0].attend(q, rows, self.num_kv_heads, self.scale, scale_rows)
         out = torch.empty_like(q)
         for plan in self.groups:
-            out[plan.token_index] = plan.attend(q, rows, self.num_kv_heads, self.scale)
+            out[plan.token_index] = plan.attend(q, rows, self.num_kv_heads, self.scale,
+                                                scale_rows)
         return out
+
+    def _store_quantized(self, rows: torch.Tensor, scale_rows: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor) -> None:
+        assert self.quant is not None
+        byte_rows = rows.view(torch.uint8)  # index_copy_ has no float8 kernel on CPU
+        for store, x in ((self.store_k, k), (self.store_v, v)):
+            vals, scales = self.quant.quantize(x, unit=self.unit_scales)
+            byte_rows.index_copy_(0, store, vals.reshape(len(x), -1).view(torch.uint8))
+            scale_rows.index_copy_(0, store, scales)

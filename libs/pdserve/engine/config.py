@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.attention import BACKENDS
+from pdserve.attention.kv_quant import KV_CACHE_DTYPES
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
@@ -44,7 +45,9 @@ class EngineArgs:
     full step (measured). max_num_batched_tokens: per-step token budget, i.e. the chunk size of
     chunked prefill. max_model_len: None = the model's context. dtype "auto": the checkpoint's,
     except float32 checkpoints run in bfloat16 on CUDA. cuda_graphs: capture the decode step
-    for a ladder of batch sizes (CUDA with the FlashInfer backend only)."""
+    for a ladder of batch sizes (CUDA with the FlashInfer backend only). kv_cache_dtype: "auto"
+    (the model's dtype), "fp8" (e4m3) or "int8", quantized with per-token per-head scales
+    (attention/kv_quant.py)."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -58,6 +61,7 @@ class EngineArgs:
     cuda_graphs: bool = True
     device: str = "cpu"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -78,6 +82,9 @@ class EngineArgs:
                 f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         check_device(self.device)
 
     @property

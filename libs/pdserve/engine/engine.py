@@ -48,7 +48,8 @@ class Engine:
         self.max_model_len = min(args.max_model_len or context, context)
         parts = build_parts(lm, args, self.max_model_len)
         device, self.cache, self.kernels = parts.device, parts.cache, parts.kernels
-        self.kv_dtype = str(cfg.dtype).removeprefix("torch.")
+        quant = parts.cache.quant  # fp8/int8 blocks never meet unquantized ones: own hashes
+        self.kv_dtype = quant.name if quant else str(cfg.dtype).removeprefix("torch.")
         # What this engine's block hashes cover besides tokens (shared with kvd and router).
         self.fingerprint = kv_fingerprint(cfg.fingerprint, self.kv_dtype)
         self.model_version = lm.version or cfg.fingerprint  # changes with reload.swap_weights

@@ -5,6 +5,8 @@ Storage: one tensor for all layers, so one page of every layer is one wire block
     data : [num_layers, num_pages, 2, page_size, num_kv_heads, head_dim]
     data[l]    -> FlashInfer NHD paged cache of layer l (contiguous)
     data[:, p] -> the wire block of page p: [layers][2][block_size][kv_heads][head_dim]
+    scales     -> quantized caches only (fp8/int8): [num_layers, num_pages, 2, page_size,
+                  num_kv_heads] float32, appended to the wire block (attention/kv_quant.py)
 
 Manager: a request owns the pages covering its computed tokens plus those scheduled this step.
 
@@ -20,50 +22,111 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.attention.kv_quant import SCALE_DTYPE, KVQuant, bytes_per_token
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request
 from pdserve.hashing import hash_blocks
 
 
 class PagedKVCache:
+    """Values ``data`` (the model's dtype, or a quantized one) and, when quantized, one float32
+    scale per token and head in ``scales`` [layers, pages, 2, page_size, kv_heads]. A wire
+    block is the page's values, then (quantized) its scales, as raw bytes::
+
+        unquantized  [layers, 2, block_size, kv_heads, head_dim] of the model's dtype
+        quantized    uint8 [values: layers*2*bs*kvh*hd bytes | scales: layers*2*bs*kvh*4]
+
+    ``unit_scales``: every scale stays 1.0 (a cache FlashInfer reads, kv_quant.py); imported
+    blocks are re-quantized to it."""
+
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 quant: KVQuant | None = None, unit_scales: bool = False) -> None:
         self.page_size = page_size
-        self.data = torch.zeros(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim,
-                                dtype=dtype, device=device)
+        self.quant = quant
+        self.unit_scales = unit_scales and quant is not None
+        shape = (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype if quant is None else quant.storage,
+                                device=device)
+        self.scales: torch.Tensor | None = None
+        if quant is not None:
+            self.scales = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=device)
 
     @property
     def layers(self) -> list[torch.Tensor]:
         return list(self.data.unbind(0))
 
     @property
-    def block_shape(self) -> tuple[int, ...]:
-        """Shape of one wire block: [layers, 2, block_size, kv_heads, head_dim]."""
+    def layer_scales(self) -> list[torch.Tensor] | None:
+        return None if self.scales is None else list(self.scales.unbind(0))
+
+    @property
+    def values_shape(self) -> tuple[int, ...]:
+        """Shape of one page's values: [layers, 2, block_size, kv_heads, head_dim]."""
         s = self.data.shape
         return (s[0], *s[2:])
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one wire block (see the class docstring)."""
+        if self.scales is None:
+            return self.values_shape
+        return (self._values_bytes + self.scales[:, 0].numel() * self.scales.element_size(),)
+
+    @property
+    def block_dtype(self) -> torch.dtype:
+        return self.data.dtype if self.scales is None else torch.uint8
+
+    @property
+    def _values_bytes(self) -> int:
+        return self.data[:, 0].numel() * self.data.element_size()
+
     @staticmethod
     def bytes_per_block(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return num_layers * 2 * page_size * num_kv_heads * head_dim * elem
+                        dtype: torch.dtype, quant: KVQuant | None = None) -> int:
+        return page_size * bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, quant)
+
+    def gather(self, idx: torch.Tensor) -> torch.Tensor:
+        """Pages ``idx`` as contiguous wire blocks [n, *block_shape] (on the cache's device)."""
+        vals = self.data.index_select(1, idx).transpose(0, 1).contiguous()
+        if self.scales is None:
+            return vals
+        n = len(idx)
+        scales = self.scales.index_select(1, idx).transpose(0, 1).contiguous()
+        return torch.cat([vals.view(torch.uint8).reshape(n, -1),
+                          scales.view(torch.uint8).reshape(n, -1)], dim=1)
+
+    def scatter(self, idx: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Write wire blocks [n, *block_shape] (on the cache's device) into pages ``idx``."""
+        if self.scales is None or self.quant is None:
+            self.data.index_copy_(1, idx, blocks.to(self.data.dtype).transpose(0, 1))
+            return
+        n, vb = len(idx), self._values_bytes
+        raw = blocks.view(torch.uint8)
+        vals = raw[:, :vb].contiguous().view(self.data.dtype).view(n, *self.values_shape)
+        scales = raw[:, vb:].contiguous().view(SCALE_DTYPE).view(n, *self.values_shape[:-1])
+        if self.unit_scales:
+            vals, scales = self.quant.quantize(
+                self.quant.dequantize(vals, scales, torch.float32), unit=True)
+        # index_copy_ has no float8 kernel on CPU: copy the values as bytes.
+        self.data.view(torch.uint8).index_copy_(1, idx, vals.view(torch.uint8).transpose(0, 1))
+        self.scales.index_copy_(1, idx, scales.transpose(0, 1))
 
     def export_pages(self, page_ids: list[int], out: torch.Tensor) -> None:
-        """Gather pages into ``out`` [n, layers, 2, block_size, kv_heads, head_dim]."""
+        """Gather pages into ``out`` [n, *block_shape] (wire blocks)."""
         expected = (len(page_ids), *self.block_shape)
         if tuple(out.shape) != expected:
             raise ValueError(f"out must have shape {expected}, got {tuple(out.shape)}")
         idx = torch.tensor(page_ids, dtype=torch.long, device=self.data.device)
-        out.copy_(self.data.index_select(1, idx).transpose(0, 1))
+        out.copy_(self.gather(idx))
 
     def import_pages(self, page_ids: list[int], data: torch.Tensor) -> None:
-        """Scatter wire-layout blocks ``data`` [n, layers, ...] into pages ``page_ids``."""
+        """Scatter wire blocks ``data`` [n, *block_shape] into pages ``page_ids``."""
         expected = (len(page_ids), *self.block_shape)
         if tuple(data.shape) != expected:
             raise ValueError(f"data must have shape {expected}, got {tuple(data.shape)}")
         idx = torch.tensor(page_ids, dtype=torch.long, device=self.data.device)
-        src = data.to(device=self.data.device, dtype=self.data.dtype).transpose(0, 1)
-        self.data.index_copy_(1, idx, src)
+        self.scatter(idx, data.to(device=self.data.device))
 
 
 class KVCacheManager:

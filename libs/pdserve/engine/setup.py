@@ -2,8 +2,9 @@
 
     select_kernels    FlashInfer's fused norm / RoPE / SiLU on CUDA in half precision
     size the cache    num_blocks, or a byte budget (CPU), or measured (CUDA, engine/memory.py)
-    cache + backend   [layers, pages, 2, block, kv_heads, head_dim]; "auto" -> FlashInfer
-                      where it serves, torch elsewhere
+    cache + backend   [layers, pages, 2, block, kv_heads, head_dim] (+ scales when the KV
+                      cache dtype is fp8/int8); "auto" -> FlashInfer where it serves, torch
+                      elsewhere
     CUDA graphs       decode steps captured for a ladder of batch sizes (FlashInfer only); the
                       cache then has one page more, the graphs' scratch page
 
@@ -21,6 +22,7 @@ import torch
 from pdserve.attention import AttentionBackend, get_backend
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.flashinfer_backend import FlashInferBackend
+from pdserve.attention.kv_quant import kv_quant
 from pdserve.engine.config import EngineArgs, check_device
 from pdserve.engine.cuda_graphs import DecodeGraphs, try_capture
 from pdserve.engine.kv_cache import PagedKVCache
@@ -46,8 +48,9 @@ def build_parts(lm: LoadedModel, args: EngineArgs, max_model_len: int) -> Engine
     cfg = lm.config
     device = check_device(args.device)
     kernels = lm.model.select_kernels(max_model_len)
+    quant = kv_quant(args.kv_cache_dtype)
     per_block = PagedKVCache.bytes_per_block(cfg.num_layers, args.block_size, cfg.num_kv_heads,
-                                             cfg.head_dim, cfg.dtype)
+                                             cfg.head_dim, cfg.dtype, quant)
     if args.num_blocks:
         num_blocks = args.num_blocks
     elif device.type == "cuda":
@@ -62,8 +65,10 @@ def build_parts(lm: LoadedModel, args: EngineArgs, max_model_len: int) -> Engine
         num_blocks = max(1, args.kv_cache_memory_bytes // per_block)
     use_graphs = device.type == "cuda" and args.cuda_graphs
     cache = PagedKVCache(cfg.num_layers, num_blocks + int(use_graphs), args.block_size,
-                         cfg.num_kv_heads, cfg.head_dim, cfg.dtype, device)
-    backend = get_backend(args.attention_backend, cache.layers, cfg.num_heads)
+                         cfg.num_kv_heads, cfg.head_dim, cfg.dtype, device, quant)
+    backend = get_backend(args.attention_backend, cache.layers, cfg.num_heads,
+                          kv_scales=cache.layer_scales, q_dtype=cfg.dtype)
+    cache.unit_scales = quant is not None and isinstance(backend, FlashInferBackend)
     graphs = None
     if use_graphs and isinstance(backend, FlashInferBackend):
         graphs = try_capture(DecodeGraphs(lm.model, backend, args.max_num_seqs,
@@ -81,8 +86,9 @@ def profile_step(lm: LoadedModel, args: EngineArgs, device: torch.device,
     num_tokens = min(args.max_num_batched_tokens, max_model_len)
     num_pages = -(-num_tokens // args.block_size)
     cache = PagedKVCache(cfg.num_layers, num_pages, args.block_size, cfg.num_kv_heads,
-                         cfg.head_dim, cfg.dtype, device)
-    backend = get_backend(args.attention_backend, cache.layers, cfg.num_heads)
+                         cfg.head_dim, cfg.dtype, device, kv_quant(args.kv_cache_dtype))
+    backend = get_backend(args.attention_backend, cache.layers, cfg.num_heads,
+                          kv_scales=cache.layer_scales, q_dtype=cfg.dtype)
     backend.prepare(AttentionMetadata(
         qo_indptr=torch.tensor([0, num_tokens], dtype=torch.int32),
         page_table=[list(range(num_pages))],

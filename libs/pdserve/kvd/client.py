@@ -132,9 +132,13 @@ class KvdClient:
         return self._shm, self.info, self.info.data_offset + slot * self.info.slot_bytes
 
     def slot_view(self, slot: int) -> torch.Tensor:
-        """The slot as a ``[layers, 2, block_size, kv_heads, head_dim]`` tensor (no copy)."""
+        """The slot as a ``[layers, 2, block_size, kv_heads, head_dim]`` tensor, or for a
+        quantized layout its ``[slot_bytes]`` bytes (values, then scales) (no copy)."""
         shm, info, offset = self._mapped(slot)
         assert self.layout is not None
+        if self.layout.is_quantized:
+            return torch.frombuffer(shm.buf, dtype=torch.uint8, count=info.slot_bytes,
+                                    offset=offset)
         dtype = _TORCH_DTYPES[self.layout.dtype]
         n = info.slot_bytes // L.DTYPE_BYTES[self.layout.dtype]
         flat = torch.frombuffer(shm.buf, dtype=dtype, count=n, offset=offset)

@@ -1,7 +1,10 @@
 """The block layout engines register with kvd, and the layout of the pool segment.
 
 One block is contiguous ``[layers][2][block_size][kv_heads][head_dim]`` of the model's KV dtype
-(DESIGN.md §2). The pool is one POSIX shared-memory segment cut into fixed-size slots:
+(DESIGN.md §2); a quantized one (``float8_e4m3fn``, ``int8``) is those values (1 byte each)
+followed by one float32 scale per token and head, ``[layers][2][block_size][kv_heads]``
+(attention/kv_quant.py). A kvd pool holds quantized blocks of one dtype, or unquantized ones.
+The pool is one POSIX shared-memory segment cut into fixed-size slots:
 
     offset 0            HEADER_BYTES                    + i * slot_bytes
     +-------------------+--------+--------+-----+--------+
@@ -20,7 +23,9 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
+QUANTIZED = ("float8_e4m3fn", "int8")  # with float32 per-token per-head scales
+SCALE_BYTES = 4
 HEADER_BYTES = 4096  # page-aligned so slot 0 starts on a page
 _MAGIC = b"PDKVPOOL"
 _HEADER = struct.Struct("<8sQQQ")  # magic, slot_bytes, num_slots, epoch
@@ -55,9 +60,15 @@ class BlockLayout:
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @property
+    def is_quantized(self) -> bool:
+        return self.dtype in QUANTIZED
+
+    @property
     def block_bytes(self) -> int:
-        n = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return n * DTYPE_BYTES[self.dtype]
+        """Slot size: the values, and the scales of a quantized dtype."""
+        heads = self.num_layers * 2 * self.block_size * self.num_kv_heads
+        scales = heads * SCALE_BYTES if self.is_quantized else 0
+        return heads * self.head_dim * DTYPE_BYTES[self.dtype] + scales
 
 
 def segment_bytes(slot_bytes: int, num_slots: int) -> int:

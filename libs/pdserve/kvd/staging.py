@@ -83,7 +83,7 @@ class KvStaging:
             self._pinned = None
 
     def export(self, page_ids: Sequence[int], views: Sequence[torch.Tensor]) -> Ticket:
-        """Copy pages into slot views ``[layers, 2, block, kv_heads, head_dim]``."""
+        """Copy pages into slot views (wire blocks: ``PagedKVCache.block_shape``)."""
         engine = self.engine
         if self.side is None:
             for page, view in zip(page_ids, views, strict=True):
@@ -95,7 +95,7 @@ class KvStaging:
         with torch.cuda.stream(self.side):
             self.side.wait_event(written)
             idx = torch.tensor(list(page_ids), device=self.device)
-            gathered = engine.cache.data.index_select(1, idx).transpose(0, 1).contiguous()
+            gathered = engine.cache.gather(idx)
             read = torch.cuda.Event()
             read.record(self.side)
             for i, view in enumerate(views):
@@ -125,12 +125,11 @@ class KvStaging:
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.side):
             self.side.wait_stream(compute)  # the pages' last readers are done
-            staged = torch.empty((len(blocks), *cache.block_shape), dtype=cache.data.dtype,
+            staged = torch.empty((len(blocks), *cache.block_shape), dtype=cache.block_dtype,
                                  device=self.device)
             for i, block in enumerate(blocks):
                 staged[i].copy_(block, non_blocking=True)
-            idx = torch.tensor(pages, device=self.device)
-            cache.data.index_copy_(1, idx, staged.transpose(0, 1))
+            cache.scatter(torch.tensor(pages, device=self.device), staged)
             done = torch.cuda.Event()
             done.record(self.side)
         compute.wait_event(done)
