@@ -72,14 +72,6 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
     return proc, proc.stdout.readline().strip()
 
 
-def _start_kvd(capacity_mib: int) -> tuple[subprocess.Popen[str], str]:
-    proc, line = _spawn(["-m", "services.kvd", "--port", "0", "--capacity-mib",
-                         str(capacity_mib)])
-    if "listening on" not in line:
-        raise RuntimeError(f"kvd did not start: {line!r}")
-    return proc, line.split("listening on ")[1].split()[0]
-
-
 def bench_memcpy(n: int, reps: int, chunk: int = 0) -> float:
     """Best-of-reps GB/s of one thread copying ``n`` MiB, in one call or ``chunk``-byte calls.
 
@@ -164,8 +156,7 @@ class KvdPair:
 
 
 async def _run(sizes: list[int], quick: bool) -> list[dict[str, float]]:
-    capacity = 2 * max(sizes) + 64
-    (pa, addr_a), (pb, addr_b) = _start_kvd(capacity), _start_kvd(capacity)
+    (pa, addr_a), (pb, addr_b) = _kvd_pair(2 * max(sizes) + 64)
     sink, sink_port = _spawn(["-c", _SINK])
     a, b = KvdClient(addr_a, "bench-a"), KvdClient(addr_b, "bench-b")
     try:
@@ -228,12 +219,18 @@ def _kvd(capacity_mib: int, port: int, peer: str) -> tuple[subprocess.Popen[str]
     return proc, line.split("listening on ")[1].split()[0]
 
 
+def _kvd_pair(capacity_mib: int) -> tuple[tuple[subprocess.Popen[str], str], ...]:
+    """Two kvds that accept each other as peers (a push destination must be a registered
+    node; there is no Redis registry here)."""
+    ports = _free_ports(2)
+    return (_kvd(capacity_mib, ports[0], f"127.0.0.1:{ports[1]}"),
+            _kvd(capacity_mib, ports[1], f"127.0.0.1:{ports[0]}"))
+
+
 async def _one_dtype(dtype: str, num_blocks: int, reps: int) -> dict[str, float | str]:
     layout = BlockLayout(**SHAPE, dtype=dtype)  # type: ignore[arg-type]
     capacity = math.ceil(2 * num_blocks * layout.block_bytes / MIB) + 16
-    ports = _free_ports(2)
-    pa, addr_a = _kvd(capacity, ports[0], f"127.0.0.1:{ports[1]}")
-    pb, addr_b = _kvd(capacity, ports[1], f"127.0.0.1:{ports[0]}")
+    (pa, addr_a), (pb, addr_b) = _kvd_pair(capacity)
     a, b = KvdClient(addr_a, "bench-a"), KvdClient(addr_b, "bench-b")
     try:
         await a.register(layout)
@@ -274,12 +271,16 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="also print one JSON line per batch")
     ap.add_argument("--quick", action="store_true", help="batches of 1, 16, 64 MiB; fewer reps")
+    ap.add_argument("--sizes", type=int, nargs="+", metavar="MIB",
+                    help="batch sizes in MiB (default 1 64 512; --quick: 1 16 64)")
     ap.add_argument("--kv-dtypes", action="store_true",
                     help="instead: blocks/s of SmolLM2-sized blocks in each KV cache dtype")
     args = ap.parse_args(argv)
     if args.kv_dtypes:
         return main_kv_dtypes(args.json, args.quick)
-    sizes = [1, 16, 64] if args.quick else [1, 64, 512]
+    sizes = args.sizes or ([1, 16, 64] if args.quick else [1, 64, 512])
+    if min(sizes) < 1:
+        ap.error(f"--sizes: every batch is at least 1 MiB, got {min(sizes)}")
     # Engine-side block copies are 1 MiB each: intra-op threads only add contention (on a busy
     # 2-core host, 40x slower copies).
     torch.set_num_threads(1)
