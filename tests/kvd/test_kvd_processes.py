@@ -69,6 +69,18 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0)
         await asyncio.sleep(0.05)
 
 
+async def pinning_client(script: str, address: str, observer: KvdClient,
+                         pins: int = 5) -> subprocess.Popen[str]:
+    """Run ``script`` (a client process that pins ``pins`` slots of the kvd at ``address``, then
+    prints how many and waits); return once ``observer`` sees them pinned."""
+    proc = subprocess.Popen([sys.executable, "-c", script, address], cwd=ROOT,
+                            env={"PYTHONPATH": f"{ROOT / 'libs'}"}, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == str(pins)
+    assert (await observer.stats()).slots_pinned == pins
+    return proc
+
+
 def bytes_of(c: KvdClient, pins: list[Pin]) -> list[bytes]:
     return [bytes(c.slot_memory(p.slot)) for p in pins]
 
@@ -191,12 +203,8 @@ asyncio.run(main())
 async def test_pins_of_a_dead_client_expire(kvd_factory: Factory, redis_url: str) -> None:
     b = start(kvd_factory, redis_url)
     cb = await client(b)
-    proc = subprocess.Popen([sys.executable, "-c", _DYING_CLIENT, b.address], cwd=ROOT,
-                            env={"PYTHONPATH": f"{ROOT / 'libs'}"}, stdout=subprocess.PIPE,
-                            text=True)
+    proc = await pinning_client(_DYING_CLIENT, b.address, cb)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "5"
-        assert (await cb.stats()).slots_pinned == 5
         proc.kill()
         proc.wait(timeout=10)
 
