@@ -8,6 +8,7 @@ from pdserve import auth
 from pdserve.server import Service, make_server, run_grpc_main
 from services.router.admission import AdmissionQueue
 from services.router.config import RouterConfig
+from services.router.controlling import maybe_controller
 from services.router.core import Router
 from services.router.instances import InstancePool
 from services.router.model import ModelSpec, load_model_spec
@@ -46,7 +47,7 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
                         max_check_failures=config.health_failures)
     quotas = load_quotas(config.quotas_file) if config.quotas_file else {}
     model = model or load_model_spec(config.model, config.served_model_name)
-    return Router(
+    return Router(controller=maybe_controller(config, pool),
         model=model, pool=pool,
         index=IndexClient(index if index is not None else _redis_index(config),
                           config.index_timeout),
@@ -66,6 +67,9 @@ async def create_server(config: RouterConfig, model: ModelSpec | None = None,
                       rules=[("/pdserve.v1.Router/", auth.CLIENT)])
     svc.on_start.append(router.start)
     svc.on_stop.append(router.stop)
+    if router.controller is not None:  # after the router's first poll: the roles are known
+        svc.on_start.append(router.controller.start)
+        svc.on_stop.insert(0, router.controller.stop)
     return svc
 
 
