@@ -60,7 +60,7 @@ def test_controller_settings_errors_name_the_flag(kwargs: dict, needle: str) -> 
         RouterConfig(**{**BASE, **kwargs})
 
 
-def test_flags_build_the_controller_settings() -> None:
+async def test_flags_build_the_controller_settings() -> None:
     cfg = RouterConfig.from_argv(["--prefill", "a:1", "--decode", "b:2", "--controller",
                                   "in-place", "--slo-ttft-ms", "500", "--slo-tpot-ms", "40",
                                   "--controller-dwell", "5"])
@@ -73,7 +73,7 @@ def test_flags_build_the_controller_settings() -> None:
     assert maybe_controller(RouterConfig(**BASE), pool) is None  # off by default
 
 
-def test_each_mode_gets_its_actuator() -> None:
+async def test_each_mode_gets_its_actuator() -> None:
     pool = InstancePool(BASE["prefill"], BASE["decode"])
     assert isinstance(make_actuator(RouterConfig(**BASE, controller="dry-run"), pool),
                       DryRunActuator)
