@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -96,6 +97,13 @@ def make_actuator(config: RouterConfig, pool: InstancePool) -> Actuator:
     return DryRunActuator()
 
 
+@functools.cache
+def calibrated_model() -> CapacityModel:
+    """The model to start from: the shipped 2-core bench calibration."""
+    return from_bench_lines(CALIBRATION.read_text().splitlines(), CALIBRATION_PROMPT_LEN,
+                            MAX_BATCH)
+
+
 class RouterController:
     """The controller of one router; ``arrived``/``finished`` are called per request."""
 
@@ -103,8 +111,7 @@ class RouterController:
                  model: CapacityModel | None = None) -> None:
         self.config, self.pool = config, pool
         self.slo = Slo(config.slo_ttft_ms / 1000, config.slo_tpot_ms / 1000)
-        self.model = model or from_bench_lines(CALIBRATION.read_text().splitlines(),
-                                               CALIBRATION_PROMPT_LEN, MAX_BATCH)
+        self.model = model or calibrated_model()
         self.window = WorkloadWindow(config.controller_window)
         self.latency = LatencySink(config.controller_window, self.slo.ttft_s, self.slo.tpot_s)
         self.lease: RedisLease | None = None
@@ -137,6 +144,10 @@ class RouterController:
         monitor = ResourceMonitor(PoolStatsSource(self.pool), self.config.controller_window)
         return Controller(monitor, self.window, self.model, policy, cluster,
                           make_actuator(self.config, self.pool), loop_config, self.lease)
+
+    def current_model(self) -> CapacityModel:
+        """The model in use: the loop's latest refit, or the one it starts from."""
+        return self.controller.model if self.controller is not None else self.model
 
     async def start(self) -> None:
         self.controller = self.build()

@@ -55,6 +55,7 @@ from services.router.prefix import IndexClient
 from services.router.preparing import Preparer
 from services.router.quotas import QuotaBook, QuotaExceeded
 from services.router.requests import Prepared, RouterLimits, detokenize, tokenize
+from services.router.slo_admission import SloGate
 from services.router.tools import with_tool_calls
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class Router:
     poll_interval: float = 1.0
     tool_call_parser: str = "auto"
     controller: RouterController | None = None  # --controller: told of each request
+    slo_gate: SloGate | None = None  # --slo-admission
     counters: RouterCounters = field(default_factory=RouterCounters)
     fingerprint_order: dict[str, int] = field(default_factory=dict)  # first seen: 0, 1, ...
     num_in_flight: int = 0
@@ -145,6 +147,8 @@ class Router:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
                               exc.retry_after) from exc
         try:
+            if self.slo_gate is not None:
+                await self.slo_gate.check(len(prepared.prompt_ids), time_remaining())
             metrics.QUEUED.set(self.admission.num_queued + 1)
             admitted = await self.admission.acquire(prepared.meta.priority, tenant,
                                                     time_remaining())
