@@ -98,7 +98,7 @@ class SloGate:
             if left is not None and p.ttft_s > left:
                 raise _refused(f"router: the request's deadline ({left:.2f}s left) cannot be "
                                f"met: {p}", p.ttft_s)
-            over = f"{p} exceeds the TTFT SLO {self.ttft_slo_s:.2f}s (--slo-ttft-ms)"
+            over = f"{p} exceeds the TTFT SLO of {self.ttft_slo_s * 1000:g} ms (--slo-ttft-ms)"
             if self.mode == "reject":
                 raise _refused(f"router: {over}; refused (--slo-admission reject)",
                                p.ttft_s - self.ttft_slo_s)

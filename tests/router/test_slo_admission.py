@@ -65,7 +65,7 @@ async def test_reject_refuses_a_late_request_with_retry_after() -> None:
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert err.value.retry_after == 3.0  # 3.03 s predicted, 2.53 s over: ceil
     assert str(err.value) == ("router: predicted time to first token 3.03s (admission queue "
-                              "0.00s, prefill 3.03s) exceeds the TTFT SLO 0.50s "
+                              "0.00s, prefill 3.03s) exceeds the TTFT SLO of 500 ms "
                               "(--slo-ttft-ms); refused (--slo-admission reject)")
 
 
@@ -91,7 +91,7 @@ async def test_queue_refuses_after_max_wait() -> None:
     next(iter(pool.instances.values())).num_inflight_prefill_tokens = 2900
     with pytest.raises(StatusError, match=r"^router: held 0\.\ds \(--max-wait 0\.3s\) and still "
                                           r"predicted time to first token 3\.03s .* exceeds the "
-                                          r"TTFT SLO 0\.50s \(--slo-ttft-ms\)$") as err:
+                                          r"TTFT SLO of 500 ms \(--slo-ttft-ms\)$") as err:
         await _gate("queue", pool, max_wait_s=0.3).check(100, None)
     assert err.value.retry_after == 3.0
 
