@@ -23,11 +23,10 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from importlib.resources import files
 from typing import Any
 
 from pdserve.controller.actuator import Actuator, DryRunActuator, InPlaceActuator
-from pdserve.controller.capacity import CapacityModel, from_bench_lines
+from pdserve.controller.capacity import CALIBRATION_FILE, CapacityModel, from_bench_lines
 from pdserve.controller.lease import RedisLease
 from pdserve.controller.loop import Controller, LoopConfig
 from pdserve.controller.monitor import (
@@ -46,7 +45,6 @@ from services.router.instances import Instance, InstancePool
 log = logging.getLogger(__name__)
 
 # The starting model until the engines' Stats determine one: the shipped 2-core bench run.
-CALIBRATION = files("pdserve_bench.sim") / "calibration-2core.jsonl"
 CALIBRATION_PROMPT_LEN, MAX_BATCH = 128, 64
 
 
@@ -100,7 +98,7 @@ def make_actuator(config: RouterConfig, pool: InstancePool) -> Actuator:
 @functools.cache
 def calibrated_model() -> CapacityModel:
     """The model to start from: the shipped 2-core bench calibration."""
-    return from_bench_lines(CALIBRATION.read_text().splitlines(), CALIBRATION_PROMPT_LEN,
+    return from_bench_lines(CALIBRATION_FILE.read_text().splitlines(), CALIBRATION_PROMPT_LEN,
                             MAX_BATCH)
 
 
