@@ -36,7 +36,7 @@ from pdserve.roles import Role
 from pdserve.stack_secrets import StackSecrets
 from pdserve.tool_calls import PARSERS
 from services.devices import engine_flags, parse_cpus, parse_devices, place
-from services.router.config import RouterConfig
+from services.router.config import CONTROLLER_MODES, RouterConfig
 from services.router.policy import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +51,9 @@ def _args(ns: argparse.Namespace) -> argparse.Namespace:
     if len(parse_devices("--device", ns.device)) != 1:
         raise SystemExit("pdserve up: error: --device: one device (per-engine lists are "
                          "--prefill-devices and --decode-devices)")
+    if ns.controller == "in-place" and ns.colocated:
+        raise SystemExit("pdserve up: error: --controller in-place switches flex engines "
+                         "between prefill and decode; it cannot run with --colocated")
     if ns.colocated:
         ns.prefill = 0
     elif ns.prefill < 1 or ns.decode < 1:
@@ -97,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also stream every service's log here, prefixed with its name")
     p.add_argument("--otel-endpoint", default="",
                    help="OTLP/gRPC collector every service sends its spans to")
+    p.add_argument("--controller", nargs="?", const="in-place", default="off",
+                   choices=list(CONTROLLER_MODES),
+                   help="run the P:D controller in the router (bare: in-place; the engines "
+                        "start as flex engines, --prefill of them prefilling); docs/controller.md")
+    p.add_argument("--slo-ttft-ms", type=float, default=RouterConfig.slo_ttft_ms,
+                   help="the controller's TTFT SLO (ms)")
+    p.add_argument("--slo-tpot-ms", type=float, default=RouterConfig.slo_tpot_ms,
+                   help="the controller's TPOT SLO (ms)")
+    p.add_argument("--router-arg", action="append", default=[],
+                   help="extra router flag, repeatable, e.g. --router-arg=--controller-dwell=5")
     p.add_argument("--no-restart", action="store_true", help="report dead services, do not restart")
     return p
 
@@ -204,7 +217,8 @@ class Stack:
                                     ["--node-id", f"node-{role[0]}{i}",
                                      "--capacity-mib", str(ns.kvd_capacity_mib)])
                     kvd_flags = ["--kvd", f"{ns.host}:{kvd.port}"]
-                engine_role = Role.COLOCATED if ns.colocated else role
+                engine_role = Role.COLOCATED if ns.colocated else \
+                    Role.FLEX if ns.controller != "off" else role
                 eng = self._add(f"{role}-{i}", role,
                                 ["--model", ns.model, "--role", engine_role,
                                  "--instance-id", f"{role[0]}{i}", *kvd_flags, *threads,
@@ -216,13 +230,21 @@ class Stack:
                            ["--model", ns.model, *names, "--policy", ns.policy,
                             "--tool-call-parser", ns.tool_call_parser,
                             "--prefill", ",".join(engines[Role.PREFILL]),
-                            "--decode", ",".join(engines[Role.DECODE])])
+                            "--decode", ",".join(engines[Role.DECODE]),
+                            *self._controller_flags(), *ns.router_arg])
         self.router_address = f"{ns.host}:{router.port}"
         http_port = ns.port or free_port(ns.host)
         gw_flags = ["--router", self.router_address, "--grpc-port", "0"]
         if ns.keys_file:
             gw_flags += ["--keys-file", ns.keys_file]
         self.gateway = self._add("gateway", "gateway", gw_flags, port=http_port)
+
+    def _controller_flags(self) -> list[str]:
+        ns = self.ns
+        if ns.controller == "off":
+            return []
+        return ["--controller", ns.controller, "--slo-ttft-ms", str(ns.slo_ttft_ms),
+                "--slo-tpot-ms", str(ns.slo_tpot_ms)]
 
     def start(self) -> None:
         for child in stackfile.clean_stale():

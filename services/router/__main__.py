@@ -8,6 +8,7 @@ from pdserve import auth
 from pdserve.server import Service, make_server, run_grpc_main
 from services.router.admission import AdmissionQueue
 from services.router.config import RouterConfig
+from services.router.controlling import calibrated_model, maybe_controller
 from services.router.core import Router
 from services.router.instances import InstancePool
 from services.router.model import ModelSpec, load_model_spec
@@ -16,6 +17,7 @@ from services.router.prefix import IndexClient, PrefixLookup
 from services.router.quotas import QuotaBook, load_quotas
 from services.router.requests import RouterLimits
 from services.router.servicer import servicers
+from services.router.slo_admission import SloGate
 
 
 def _redis_index(config: RouterConfig) -> PrefixLookup | None:
@@ -46,7 +48,12 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
                         max_check_failures=config.health_failures)
     quotas = load_quotas(config.quotas_file) if config.quotas_file else {}
     model = model or load_model_spec(config.model, config.served_model_name)
-    return Router(
+    admission = AdmissionQueue(config.max_concurrent, config.max_queued)
+    controller = maybe_controller(config, pool)
+    gate = SloGate(config.slo_admission, config.slo_ttft_ms / 1000, admission, pool,
+                   controller.current_model if controller else calibrated_model,
+                   config.max_wait) if config.slo_admission != "off" else None
+    return Router(controller=controller, slo_gate=gate,
         model=model, pool=pool,
         index=IndexClient(index if index is not None else _redis_index(config),
                           config.index_timeout),
@@ -54,7 +61,7 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
         block_size=config.block_size,
         limits=RouterLimits.for_model(model, config.max_prompt_tokens, config.max_tokens,
                                       config.max_prompt_bytes),
-        admission=AdmissionQueue(config.max_concurrent, config.max_queued),
+        admission=admission,
         max_wait=config.max_wait, max_retries=config.max_retries,
         poll_interval=config.poll_interval, tool_call_parser=config.tool_call_parser)
 
@@ -66,6 +73,9 @@ async def create_server(config: RouterConfig, model: ModelSpec | None = None,
                       rules=[("/pdserve.v1.Router/", auth.CLIENT)])
     svc.on_start.append(router.start)
     svc.on_stop.append(router.stop)
+    if router.controller is not None:  # after the router's first poll: the roles are known
+        svc.on_start.append(router.controller.start)
+        svc.on_stop.insert(0, router.controller.stop)
     return svc
 
 

@@ -25,6 +25,9 @@ from pdserve.server import GrpcServiceConfig
 from pdserve.tool_calls import PARSERS
 from services.router.policy import POLICIES
 from services.router.quotas import load_quotas
+from services.router.slo_admission import SLO_ADMISSION_MODES
+
+CONTROLLER_MODES = ("off", "dry-run", "in-place", "kubernetes")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,28 @@ class RouterConfig(GrpcServiceConfig):
     index_timeout: float = setting(
         0.05, float_kind(0.001),
         "seconds one index lookup may take before routing by load only")
+    # The P:D controller (docs/controller.md), run inside the router.
+    controller: str = setting("off", choice_kind(*CONTROLLER_MODES),
+                              "the P:D controller: off, dry-run (decides and logs only), "
+                              "in-place (switches flex engines), kubernetes (scales Deployments)")
+    slo_ttft_ms: float = setting(2000.0, float_kind(1.0),
+                                 "time-to-first-token SLO the controller plans for and "
+                                 "--slo-admission enforces (ms)")
+    slo_tpot_ms: float = setting(100.0, float_kind(1.0),
+                                 "time-per-output-token SLO the controller plans for (ms)")
+    controller_interval: float = setting(10.0, float_kind(0.1), "seconds between decisions")
+    controller_window: float = setting(30.0, float_kind(1.0),
+                                       "seconds of load and Stats each decision looks at")
+    controller_dwell: float = setting(30.0, float_kind(0.0),
+                                      "least seconds a plan stays in force (no flapping)")
+    controller_margin: float = setting(0.1, float_kind(0.0), "a new plan must serve this "
+                                       "fraction more than the plan in force to replace it")
+    controller_lease_ms: int = setting(5000, int_kind(30), "leader lease among routers sharing "
+                                       "Redis (ms); a dead leader's lapses after this")
+    slo_admission: str = setting("off", choice_kind(*SLO_ADMISSION_MODES),
+                                 "a request predicted to miss --slo-ttft-ms: queue (held until "
+                                 "it fits, up to --max-wait), reject (429), off")
+    controller_namespace: str = setting("pdserve", NAME, "kubernetes: the Deployments' namespace")
 
     def __post_init__(self) -> None:
         super().__post_init__()

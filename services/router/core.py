@@ -46,6 +46,7 @@ from pdserve.roles import Role
 from pdserve.telemetry import outbound_metadata
 from services.router import metrics
 from services.router.admission import AdmissionQueue
+from services.router.controlling import RouterController
 from services.router.flow import Busy, Flow, KvLost, prefill_again, relay_decode, run_prefill
 from services.router.instances import Instance, InstancePool
 from services.router.model import ModelSpec
@@ -54,6 +55,7 @@ from services.router.prefix import IndexClient
 from services.router.preparing import Preparer
 from services.router.quotas import QuotaBook, QuotaExceeded
 from services.router.requests import Prepared, RouterLimits, detokenize, tokenize
+from services.router.slo_admission import SloGate
 from services.router.tools import with_tool_calls
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,8 @@ class Router:
     max_retries: int = 2
     poll_interval: float = 1.0
     tool_call_parser: str = "auto"
+    controller: RouterController | None = None  # --controller: told of each request
+    slo_gate: SloGate | None = None  # --slo-admission
     counters: RouterCounters = field(default_factory=RouterCounters)
     fingerprint_order: dict[str, int] = field(default_factory=dict)  # first seen: 0, 1, ...
     num_in_flight: int = 0
@@ -143,6 +147,8 @@ class Router:
             raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
                               exc.retry_after) from exc
         try:
+            if self.slo_gate is not None:
+                await self.slo_gate.check(len(prepared.prompt_ids), time_remaining())
             metrics.QUEUED.set(self.admission.num_queued + 1)
             admitted = await self.admission.acquire(prepared.meta.priority, tenant,
                                                     time_remaining())
@@ -152,6 +158,8 @@ class Router:
         finally:
             metrics.QUEUED.set(self.admission.num_queued)
         metrics.QUEUE_WAIT.observe(time.perf_counter() - arrived)
+        if self.controller is not None:
+            self.controller.arrived(len(prepared.prompt_ids), prepared.sampling.max_tokens)
         try:
             async for message in self._generate(prepared, time_remaining, arrived, cost):
                 yield message
@@ -198,12 +206,16 @@ class Router:
         first, latency observed."""
         echo = prepared.prompt_text  # goes out once, with the first message
         first_entry = self._first_prompt_entry(prepared)
-        last = 0.0
+        last, ttft, num_tokens, itls = 0.0, 0.0, 0, []
         async for message in messages:
             if message.token_ids:
                 now = time.perf_counter()
                 (metrics.ITL if last else metrics.TTFT).observe(now - (last or flow.arrived))
-                last = now
+                if last:
+                    itls.append(now - last)
+                else:
+                    ttft = now - flow.arrived
+                last, num_tokens = now, num_tokens + len(message.token_ids)
             message.prompt_text, echo = echo, ""
             if first_entry is not None:
                 entries = [first_entry, *message.prompt_logprobs]
@@ -211,6 +223,9 @@ class Router:
                 message.prompt_logprobs.extend(entries)
                 first_entry = None
             yield message
+        if self.controller is not None and num_tokens:
+            tpot = (last - flow.arrived - ttft) / (num_tokens - 1) if num_tokens > 1 else 0.0
+            self.controller.finished(ttft, tpot, itls)
 
     def _first_prompt_entry(self, prepared: Prepared) -> common_pb2.PositionLogprobs | None:
         """With prompt logprobs, the first prompt token's entry: the engines score tokens

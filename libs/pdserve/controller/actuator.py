@@ -96,14 +96,18 @@ class InPlaceActuator(Actuator):
         for channel in self._channels.values():
             await channel.close()
 
+    def stubs(self) -> dict[str, engine_pb2_grpc.EngineStub]:
+        """The engines this actuator may switch, by address (a subclass may compute them)."""
+        return self._stubs
+
     async def _stats(self, address: str) -> Sample:
-        stats = await self._stubs[address].Stats(engine_pb2.EngineStatsRequest(),
+        stats = await self.stubs()[address].Stats(engine_pb2.EngineStatsRequest(),
                                                  timeout=self.rpc_timeout_s)
         return sample_from_proto(stats, address, 0.0)
 
     async def apply(self, plan: Plan) -> list[Flip]:
         try:
-            samples = await asyncio.gather(*(self._stats(a) for a in self._stubs))
+            samples = await asyncio.gather(*(self._stats(a) for a in self.stubs()))
         except grpc.RpcError as exc:
             raise ActuationError(f"in place: Stats failed: {exc.code().name}: "
                                  f"{exc.details()}") from None
@@ -111,7 +115,7 @@ class InPlaceActuator(Actuator):
         return list(await asyncio.gather(*(self._flip(s.address, r) for s, r in flips)))
 
     async def _flip(self, address: str, role: str) -> Flip:
-        stub = self._stubs[address]
+        stub = self.stubs()[address]
         step = "Drain"
         try:
             drained = await stub.Drain(engine_pb2.DrainRequest(wait=False),

@@ -15,10 +15,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from pdserve.controller.monitor import Sample
+
+# The shipped starting point: `pdserve bench engine --json` on the 2-core reference machine
+# (bench-50m, --prompt-len 128; docs/benchmarks.md).
+CALIBRATION_FILE = Path(__file__).with_name("calibration-2core.jsonl")
 
 
 class CalibrationError(ValueError):

@@ -13,13 +13,13 @@ import json
 import sys
 from pathlib import Path
 
-from pdserve.controller.capacity import CalibrationError, from_bench_lines
+from pdserve.controller.capacity import CALIBRATION_FILE, CalibrationError, from_bench_lines
 from pdserve.controller.optimizer import Slo
 from pdserve_bench.sim import workload
 from pdserve_bench.sim.cluster import SimConfig
 from pdserve_bench.sim.evaluate import Evaluation, evaluate, shifting
 
-DEFAULT_CALIBRATION = Path(__file__).with_name("calibration-2core.jsonl")
+DEFAULT_CALIBRATION = Path(CALIBRATION_FILE)
 
 
 def _parser() -> argparse.ArgumentParser:

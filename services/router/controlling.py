@@ -1,0 +1,183 @@
+"""The P:D controller inside the router (``--controller``; docs/controller.md).
+
+    RouterController   built from the router's settings and its InstancePool; ``start`` after
+                       the pool's first poll (the plan in force is the flex engines' roles
+                       then), a loop of ``Controller.tick`` every --controller-interval
+      PoolStatsSource  the monitor's samples: the Stats the router's own poll fetched (no
+                       second poll of the engines)
+      PoolActuator     in place: Drain → SetRole on the pool's flex engines, over the router's
+                       channels (its admin credential)
+      RedisLease       when the router has Redis: one acting controller among the routers
+    The router reports each admitted request (``arrived``: prompt and answer lengths, for the
+    predictor) and each finished one (``finished``: TTFT, TPOT, inter-token gaps, for the
+    LatencySink); each tick logs the latency summary next to the decision line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.controller.actuator import Actuator, DryRunActuator, InPlaceActuator
+from pdserve.controller.capacity import CALIBRATION_FILE, CapacityModel, from_bench_lines
+from pdserve.controller.lease import RedisLease
+from pdserve.controller.loop import Controller, LoopConfig
+from pdserve.controller.monitor import (
+    LatencySink,
+    ResourceMonitor,
+    Sample,
+    StatsSource,
+    sample_from_proto,
+)
+from pdserve.controller.optimizer import Cluster, Plan, Policy, Slo
+from pdserve.controller.predictor import Arrival, WorkloadWindow
+from pdserve.proto.v1 import engine_pb2_grpc
+from services.router.config import RouterConfig
+from services.router.instances import Instance, InstancePool
+
+log = logging.getLogger(__name__)
+
+# The starting model until the engines' Stats determine one: the shipped 2-core bench run.
+CALIBRATION_PROMPT_LEN, MAX_BATCH = 128, 64
+
+
+def _polled(pool: InstancePool) -> list[Instance]:
+    """Instances whose Stats the last poll fetched (healthy, or out only while draining)."""
+    return [i for i in pool.instances.values()
+            if i.stats.instance_id and (i.is_healthy or i.stats.draining)]
+
+
+class PoolStatsSource(StatsSource):
+    def __init__(self, pool: InstancePool) -> None:
+        self.pool = pool
+
+    async def sample(self) -> list[Sample]:
+        now = time.monotonic()
+        return [sample_from_proto(i.stats, i.address, now) for i in _polled(self.pool)]
+
+
+class PoolActuator(InPlaceActuator):
+    """``InPlaceActuator`` over the pool's engines as they are now (the registry may add some)."""
+
+    def __init__(self, pool: InstancePool, rpc_timeout_s: float = 5.0,
+                 drain_timeout_s: float = 300.0) -> None:
+        self.pool = pool
+        self.rpc_timeout_s, self.drain_timeout_s = rpc_timeout_s, drain_timeout_s
+        self._channels: dict[str, Any] = {}  # the pool owns the channels
+
+    def stubs(self) -> dict[str, engine_pb2_grpc.EngineStub]:
+        return {a: i.engine for a, i in self.pool.instances.items()}
+
+
+def current_plan(samples: Sequence[Sample], flex_only: bool) -> Plan:
+    """The plan the engines run now (the flex ones only, when they are what may move)."""
+    engines = [s for s in samples if s.is_flex or not flex_only]
+    colocated = sum(s.role == "colocated" for s in engines)
+    if colocated:
+        return Plan(0, 0, colocated)
+    return Plan(sum(s.role == "prefill" for s in engines), sum(s.role == "decode" for s in engines))
+
+
+def make_actuator(config: RouterConfig, pool: InstancePool) -> Actuator:
+    if config.controller == "in-place":
+        return PoolActuator(pool)
+    if config.controller == "kubernetes":
+        from pdserve.controller.k8s import Deployments, KubernetesActuator, api_client
+
+        return KubernetesActuator(api_client(), Deployments(config.controller_namespace))
+    return DryRunActuator()
+
+
+@functools.cache
+def calibrated_model() -> CapacityModel:
+    """The model to start from: the shipped 2-core bench calibration."""
+    return from_bench_lines(CALIBRATION_FILE.read_text().splitlines(), CALIBRATION_PROMPT_LEN,
+                            MAX_BATCH)
+
+
+class RouterController:
+    """The controller of one router; ``arrived``/``finished`` are called per request."""
+
+    def __init__(self, config: RouterConfig, pool: InstancePool,
+                 model: CapacityModel | None = None) -> None:
+        self.config, self.pool = config, pool
+        self.slo = Slo(config.slo_ttft_ms / 1000, config.slo_tpot_ms / 1000)
+        self.model = model or calibrated_model()
+        self.window = WorkloadWindow(config.controller_window)
+        self.latency = LatencySink(config.controller_window, self.slo.ttft_s, self.slo.tpot_s)
+        self.lease: RedisLease | None = None
+        if pool.redis is not None:
+            holder = f"{socket.gethostname()}:{config.port}:{os.getpid()}"
+            self.lease = RedisLease(pool.redis, f"{config.registry_prefix}controller:leader",
+                                    holder, config.controller_lease_ms)
+        self.controller: Controller | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def arrived(self, prompt_tokens: int, max_tokens: int) -> None:
+        self.window.add(Arrival(time.monotonic(), prompt_tokens, max_tokens))
+
+    def finished(self, ttft_s: float, tpot_s: float, itls_s: Sequence[float]) -> None:
+        self.latency.observe(time.monotonic(), ttft_s, tpot_s, itls_s)
+
+    def build(self) -> Controller:
+        """The loop, its plan in force read from the pool (call after its first poll)."""
+        in_place = self.config.controller == "in-place"
+        samples = [sample_from_proto(i.stats, i.address, 0.0) for i in _polled(self.pool)]
+        plan = current_plan(samples, in_place)
+        n = plan.num_prefill + plan.num_decode + plan.num_colocated
+        if n == 0:
+            log.warning("controller: no engine to plan for yet (flex engines for in-place)")
+        cluster = Cluster(max(1, n), allow_colocated=not in_place)
+        loop_config = LoopConfig(self.config.controller_interval,
+                                 self.config.controller_interval, self.slo)
+        policy = Policy(plan, self.config.controller_margin, self.config.controller_dwell,
+                        now=time.monotonic())
+        monitor = ResourceMonitor(PoolStatsSource(self.pool), self.config.controller_window)
+        return Controller(monitor, self.window, self.model, policy, cluster,
+                          make_actuator(self.config, self.pool), loop_config, self.lease)
+
+    def current_model(self) -> CapacityModel:
+        """The model in use: the loop's latest refit, or the one it starts from."""
+        return self.controller.model if self.controller is not None else self.model
+
+    async def start(self) -> None:
+        self.controller = self.build()
+        log.info("controller started", extra={"fields": {
+            "mode": self.config.controller, "plan": str(self.controller.policy.plan),
+            "leader_election": self.lease is not None}})
+        if self.lease is not None:
+            self.lease.start()
+        self._task = asyncio.create_task(self._run(self.controller))
+
+    async def _run(self, controller: Controller) -> None:
+        while True:
+            await asyncio.sleep(self.config.controller_interval)
+            try:
+                await controller.tick(time.monotonic())
+            except Exception:  # the loop must outlive any one bad tick
+                log.exception("controller tick failed")
+            s = self.latency.summary(time.monotonic())
+            log.info("controller latency", extra={"fields": {
+                "requests": s.count, "ttft_p99_s": s.ttft_p99_s, "tpot_p50_s": s.tpot_p50_s,
+                "itl_p99_s": s.itl_p99_s, "slo_attainment": s.slo_attainment}})
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self.lease is not None:
+            with contextlib.suppress(Exception):
+                await self.lease.stop()
+
+
+def maybe_controller(config: RouterConfig, pool: InstancePool) -> RouterController | None:
+    return None if config.controller == "off" else RouterController(config, pool)

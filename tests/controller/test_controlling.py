@@ -1,0 +1,167 @@
+"""The controller's wiring into the router and the launcher: the plan read from the engines'
+roles, the router's settings and their errors, what the router reports per request, which
+actuator each mode gets, and the flags ``pdserve up --controller`` passes on. (The loop itself:
+test_loop.py; real processes: test_router_controller_stack.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+
+from pdserve.controller.actuator import DryRunActuator
+from pdserve.controller.monitor import Sample
+from pdserve.controller.optimizer import Plan
+from pdserve.roles import Role
+from services.launcher import Stack, _args, build_parser
+from services.router.config import RouterConfig
+from services.router.controlling import (
+    PoolActuator,
+    RouterController,
+    current_plan,
+    make_actuator,
+    maybe_controller,
+)
+from services.router.instances import InstancePool
+from services.router.model import load_model_spec
+from tests.router.conftest import Cluster as RouterCluster
+
+
+def _sample(role: str, flex: bool = True) -> Sample:
+    return Sample("i", "a:1", 0.0, role, flex, False, 0, 0, 0, 0, 0.0, 0.0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(("roles", "flex_only", "plan"), [
+    ([("prefill", True), ("prefill", True), ("decode", True)], True, Plan(2, 1)),
+    ([("prefill", True), ("decode", False)], True, Plan(1, 0)),  # a fixed engine stays out
+    ([("prefill", True), ("decode", False)], False, Plan(1, 1)),
+    ([("colocated", False), ("colocated", False)], False, Plan(0, 0, 2)),
+    ([], True, Plan(0, 0)),
+])
+def test_the_plan_in_force_is_the_engines_roles(roles: list[tuple[str, bool]], flex_only: bool,
+                                                plan: Plan) -> None:
+    assert current_plan([_sample(r, f) for r, f in roles], flex_only) == plan
+
+
+BASE = {"prefill": ("127.0.0.1:1",), "decode": ("127.0.0.1:2",)}
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"controller": "auto"}, "--controller"),
+    ({"slo_ttft_ms": 0.0}, "--slo-ttft-ms"),
+    ({"slo_tpot_ms": -1.0}, "--slo-tpot-ms"),
+    ({"controller_interval": 0.0}, "--controller-interval"),
+    ({"controller_lease_ms": 10}, "--controller-lease-ms"),
+])
+def test_controller_settings_errors_name_the_flag(kwargs: dict, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        RouterConfig(**{**BASE, **kwargs})
+
+
+async def test_flags_build_the_controller_settings() -> None:
+    cfg = RouterConfig.from_argv(["--prefill", "a:1", "--decode", "b:2", "--controller",
+                                  "in-place", "--slo-ttft-ms", "500", "--slo-tpot-ms", "40",
+                                  "--controller-dwell", "5"])
+    assert (cfg.controller, cfg.slo_ttft_ms, cfg.slo_tpot_ms, cfg.controller_dwell) == (
+        "in-place", 500.0, 40.0, 5.0)
+    pool = InstancePool(cfg.prefill, cfg.decode)
+    ctl = maybe_controller(cfg, pool)
+    assert ctl is not None and ctl.lease is None  # no Redis: always the leader
+    assert (ctl.slo.ttft_s, ctl.slo.tpot_s) == (0.5, 0.04)
+    assert maybe_controller(RouterConfig(**BASE), pool) is None  # off by default
+
+
+async def test_each_mode_gets_its_actuator() -> None:
+    pool = InstancePool(BASE["prefill"], BASE["decode"])
+    assert isinstance(make_actuator(RouterConfig(**BASE, controller="dry-run"), pool),
+                      DryRunActuator)
+    actuator = make_actuator(RouterConfig(**BASE, controller="in-place"), pool)
+    assert isinstance(actuator, PoolActuator)
+    assert set(actuator.stubs()) == {"127.0.0.1:1", "127.0.0.1:2"}  # the pool's, live
+
+
+async def test_the_router_reports_arrivals_and_latencies() -> None:
+    c = RouterCluster(load_model_spec("tiny"))
+    try:
+        p = await c.engine("P", "prefill")
+        d = await c.engine("D", "decode", num_tokens=3)
+        router, client = await c.router([p], [d], controller="dry-run")
+        ctl = router.controller
+        assert isinstance(ctl, RouterController)
+        msgs = await client.generate(ids=list(range(1, 9)), max_tokens=4)
+        assert sum(len(m.token_ids) for m in msgs) == 4
+        load = ctl.window.current(time.monotonic())
+        assert (load.rate, load.input_len, load.output_len) == (1 / ctl.window.window_s, 8, 4)
+        summary = ctl.latency.summary(time.monotonic())
+        assert summary.count == 1 and summary.ttft_p50_s is not None
+        assert summary.tpot_p50_s is not None and summary.tpot_p50_s >= 0
+    finally:
+        for close in reversed(c.closers):
+            await close()
+        for e in c.engines:
+            await e.stop()
+
+
+def _stack(args: list[str]) -> Stack:
+    stack = Stack(_args(build_parser().parse_args(args)))
+    stack.redis_url = ""
+    stack.plan()
+    return stack
+
+
+def test_up_controller_starts_flex_engines_and_passes_the_flags() -> None:
+    stack = _stack(["--controller", "--slo-ttft-ms", "800",
+                    "--router-arg=--controller-dwell=3"])
+    procs = {p.name: p.args for p in stack.procs}
+    for name in ("prefill-0", "decode-0"):
+        assert procs[name][procs[name].index("--role") + 1] == Role.FLEX
+    router = procs["router"]
+    assert router[router.index("--controller") + 1] == "in-place"
+    assert router[router.index("--slo-ttft-ms") + 1] == "800.0"
+    assert "--controller-dwell=3" in router
+    plain = {p.name: p.args for p in _stack([]).procs}
+    assert "--controller" not in plain["router"]
+    assert plain["prefill-0"][plain["prefill-0"].index("--role") + 1] == Role.PREFILL
+
+
+def test_up_in_place_controller_refuses_colocated_engines() -> None:
+    with pytest.raises(SystemExit, match="--controller in-place switches flex engines between "
+                                         "prefill and decode; it cannot run with --colocated"):
+        _args(build_parser().parse_args(["--controller", "--colocated"]))
+
+
+def test_up_controller_mode_must_be_known(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--controller", "auto"])
+    assert "argument --controller: invalid choice: 'auto'" in capsys.readouterr().err
+
+
+async def test_routers_sharing_redis_elect_one_controller_and_hand_over() -> None:
+    import redis.asyncio as aioredis
+
+    prefix = f"test15b:{uuid.uuid4().hex}:"
+    clients = [aioredis.Redis.from_url("redis://127.0.0.1:6379/0") for _ in range(2)]
+    cfg = RouterConfig(**BASE, controller="dry-run", registry_prefix=prefix,
+                       controller_lease_ms=300, controller_interval=100)
+    ctls = [RouterController(cfg, InstancePool((), (), redis=c)) for c in clients]
+    try:
+        for ctl in ctls:
+            await ctl.start()
+        await asyncio.sleep(0.5)
+        leaders = [ctl for ctl in ctls if ctl.lease is not None and ctl.lease.is_leader]
+        assert len(leaders) == 1
+        [follower] = [ctl for ctl in ctls if ctl is not leaders[0]]
+        assert follower.controller is not None
+        decision = await follower.controller.tick(time.monotonic())
+        assert decision.reason == "not the leader" and not decision.changed
+        await leaders[0].stop()  # a clean stop releases the lease: the other takes it
+        await asyncio.sleep(0.4)
+        assert follower.lease is not None and follower.lease.is_leader
+    finally:
+        for ctl in ctls:
+            await ctl.stop()
+        await clients[0].delete(f"{prefix}controller:leader")
+        for c in clients:
+            await c.aclose()
