@@ -46,7 +46,16 @@ from pdserve.roles import Role
 from pdserve.telemetry import outbound_metadata
 from services.router import metrics
 from services.router.admission import AdmissionQueue
-from services.router.flow import Busy, Flow, KvLost, prefill_again, relay_decode, run_prefill
+from services.router.failover import fail_over
+from services.router.flow import (
+    Busy,
+    Flow,
+    Interrupted,
+    KvLost,
+    prefill_again,
+    relay_decode,
+    run_prefill,
+)
 from services.router.instances import Instance, InstancePool
 from services.router.model import ModelSpec
 from services.router.policy import Choice, RouteQuery, RoutingPolicy
@@ -260,15 +269,28 @@ class Router:
             decodes = group.colocated
             flow.choice = self._place_colocated(flow, decodes)
             self._count_placement(flow)
-        try:
-            async for message in self._decode(flow, decodes, first):
-                yield message
-        except KvLost as lost:  # the client has the first token; its KV is gone: once more
-            prefills = [p for p in group.prefills if p.is_healthy]  # alike blocks only
-            decodes = [d for d in group.decodes if d.is_healthy]
-            await prefill_again(flow, self.policy, self.pool, lost, prefills, decodes)
-            async for message in self._decode(flow, decodes, None):
-                yield message
+        is_kv_lost = False
+        while True:
+            try:
+                async for message in self._decode(flow, decodes, first):
+                    yield message
+                return
+            except KvLost as lost:  # the client has the first token; its KV is gone: once more
+                if is_kv_lost:
+                    raise
+                is_kv_lost = True
+                prefills, decodes = self._alive(group)
+                await prefill_again(flow, self.policy, self.pool, lost, prefills, decodes)
+            except Interrupted as broken:  # part of the answer was sent: go on elsewhere
+                prefills, decodes = self._alive(group)
+                await fail_over(flow, self.policy, self.pool, broken, prefills, decodes)
+            first = None
+
+    @staticmethod
+    def _alive(group: Group) -> tuple[list[Instance], list[Instance]]:
+        """The group's instances still healthy (alike blocks only)."""
+        return ([p for p in group.prefills if p.is_healthy],
+                [d for d in group.decodes or group.colocated if d.is_healthy])
 
     async def _prefill(self, flow: Flow, prefills: list[Instance], decodes: list[Instance],
                        ) -> router_pb2.GenerateResponse:
