@@ -49,6 +49,7 @@ from services.router.admission import AdmissionQueue
 from services.router.failover import fail_over
 from services.router.flow import (
     Busy,
+    Down,
     Flow,
     Interrupted,
     KvLost,
@@ -179,7 +180,7 @@ class Router:
         metrics.IN_FLIGHT.inc()
         self.counters.num_requests += 1
         try:
-            group = self._group()
+            group = await self._wait_group(flow)
             hashes = await self.preparer.hash(prepared, self.block_size, group.fingerprint)
             flow.query = RouteQuery(len(prepared.prompt_ids), self.block_size, len(hashes),
                                     await self.index.lookup(hashes))
@@ -234,6 +235,18 @@ class Router:
             entry.sampled.token_bytes = raw
             entry.sampled.token = raw.decode("utf-8", errors="replace")
         return entry
+
+    async def _wait_group(self, flow: Flow) -> Group:
+        """``_group()``, waiting while none is healthy but some instance is known (down,
+        likely restarting: the supervisor brings it back) up to the request's wait limits."""
+        waited = 0.0
+        while True:
+            try:
+                return self._group()
+            except StatusError as down:
+                if all(i.is_healthy for i in self.pool.instances.values()):
+                    raise  # nothing is down: nothing to wait for (a role not configured)
+                waited = await flow.wait_down(down, waited)
 
     def _group(self) -> Group:
         """The healthy instances that can serve together: prefill and decode engines (else
@@ -294,20 +307,25 @@ class Router:
 
     async def _prefill(self, flow: Flow, prefills: list[Instance], decodes: list[Instance],
                        ) -> router_pb2.GenerateResponse:
-        """Prefill, waiting while every prefill instance answers busy (``Busy``)."""
-        waited = 0.0
+        """Prefill, waiting while every prefill instance answers busy (``Busy``) or is down
+        (``Down``: restarting, so the group is looked up again once one is back)."""
+        waited = down_waited = 0.0
         while True:
             try:
                 return await run_prefill(flow, self.policy, self.pool, prefills, decodes)
             except Busy as busy:
                 waited = await flow.wait_busy(busy, waited)
+            except Down as down:
+                down_waited = await flow.wait_down(down, down_waited)
+                group = await self._wait_group(flow)
+                prefills, decodes = group.prefills, group.decodes
 
     async def _decode(self, flow: Flow, decodes: list[Instance],
                       first: router_pb2.GenerateResponse | None,
                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Relay the decode, waiting while every decode instance answers busy before its
         first chunk (``Busy``); ``first`` goes out once."""
-        waited = 0.0
+        waited = down_waited = 0.0
         while True:
             try:
                 async for message in relay_decode(flow, self.policy, self.pool, decodes, first):
@@ -317,6 +335,10 @@ class Router:
                 return
             except Busy as busy:
                 waited = await flow.wait_busy(busy, waited)
+            except Down as down:  # every decode down (restarting): wait for one to be back
+                down_waited = await flow.wait_down(down, down_waited)
+                group = await self._wait_group(flow)
+                decodes = group.decodes or group.colocated
 
     def _place_colocated(self, flow: Flow, decodes: list[Instance]) -> Choice:
         assert flow.query is not None

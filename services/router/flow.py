@@ -61,6 +61,12 @@ class Busy(StatusError):
     of failing."""
 
 
+class Down(StatusError):
+    """No instance of a role could take the request: every one tried failed (down, broken) or
+    none is healthy. While some are known, they are likely restarting: the request waits
+    (``Flow.wait_down``) for one to come back, like for busy ones."""
+
+
 def _busy_after(exc: grpc.RpcError) -> float:
     retry = details_of(exc).retry_after  # type: ignore[arg-type]
     return retry if retry is not None else 0.1
@@ -107,6 +113,19 @@ class Flow:
                               retry_after=max(1.0, busy.retry_after or 1.0))
         self.num_busy_waits += 1
         metrics.BUSY_WAITS.inc()
+        await asyncio.sleep(delay)
+        return waited + delay
+
+    async def wait_down(self, down: StatusError, waited: float) -> float:
+        """Sleep before looking for a healthy instance again (an engine restarting); raise
+        ``down`` (told how long it waited) when the deadline or ``max_wait`` would pass first."""
+        delay = min(0.5, 0.05 * 2 ** min(self.num_busy_waits, 4))
+        left = self.time_remaining()
+        if waited + delay > self.max_wait or (left is not None and left < delay):
+            raise StatusError(down.code, f"{down.message}; none came back within {waited:.1f}s",
+                              retry_after=1.0)
+        self.num_busy_waits += 1
+        metrics.DOWN_WAITS.inc()
         await asyncio.sleep(delay)
         return waited + delay
 
@@ -183,7 +202,7 @@ async def run_prefill(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
     if failures and len(busy_after) == len(failures):
         raise Busy(grpc.StatusCode.RESOURCE_EXHAUSTED,
                    f"no capacity: every prefill instance is busy ({why})", min(busy_after))
-    raise StatusError(grpc.StatusCode.UNAVAILABLE, f"no capacity: prefill failed ({why})")
+    raise Down(grpc.StatusCode.UNAVAILABLE, f"no capacity: prefill failed ({why})")
 
 
 def _prefill_request(flow: Flow) -> engine_pb2.PrefillRequest:
@@ -275,7 +294,7 @@ async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
                 raise Busy(code, f"no capacity: every decode instance is busy ({where}: "
                            f"{exc.details()})", min(busy_after)) from exc
             if replacement is None or attempt == flow.max_retries:
-                raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                raise Down(grpc.StatusCode.UNAVAILABLE,
                                   f"no capacity: {where} failed ({code.name} {exc.details()}) "
                                   f"and no other decode instance is left to try") from exc
             metrics.RETRIES.labels("decode").inc()
