@@ -348,7 +348,7 @@ async def _relay_one(flow: Flow, decode: Instance, first: router_pb2.GenerateRes
     flow.touched.append(decode)
     flow.before_call()
     call = decode.decode.Decode(request, timeout=timeout, metadata=flow.metadata)
-    is_first = flow.prefill_response is None
+    is_first = flow.prefill_response is None and not flow.sent_ids  # colocated, not resumed
     try:
         if first is not None:
             yield first

@@ -81,3 +81,17 @@ async def test_a_finished_answer_reports_no_failover(cluster: Cluster) -> None:
     _, messages = await _stream(client)
     assert messages[-1].usage.failovers == 0
     assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def test_a_colocated_engine_dying_mid_stream_fails_over_to_another(
+        cluster: Cluster) -> None:
+    c1, c2 = await cluster.engine("C1", "colocated"), await cluster.engine("C2", "colocated")
+    c1.decode_fail_after = 2  # sends 100, 101, then dies
+    _, client = await cluster.router([], [c1, c2], policy="round_robin")
+    got, messages = await _stream(client)
+    assert got == [[100], [101], [100], [101], [102]]
+    resumed = c2.seen.decodes[0]  # no prefill engine: C2 computes the KV of the answer so far
+    assert list(resumed.prompt_token_ids) == [*PROMPT, 100] and resumed.first_token_id == 101
+    assert resumed.prior_output == 1 and resumed.sampling.max_tokens == 8 - 1
+    assert [m.HasField("placement") for m in messages].count(True) == 1
+    assert messages[-1].usage.failovers == 1
