@@ -19,10 +19,10 @@ by B: reserve slots, Transfer(PULL) to the source with B's slots, A pins and sen
 
 Watchdogs: a receive whose peer's gRPC channel goes down, whose peer registered anew (another
 UCX worker address in the registry: it restarted, its sends are gone), or that makes no
-progress for ``transfer_timeout``, aborts the UCX endpoint (cancelling its posted receives), frees the slots
-and fails the futures with ABORTED (an Await waiting on them fails at once: its caller must
-get the blocks elsewhere, e.g. compute them again); a send likewise releases its pins. A pull
-whose source cannot be reached fails the same way.
+progress for ``transfer_timeout``, aborts the UCX endpoint (cancelling its posted receives),
+frees the slots and fails the futures with ABORTED (an Await waiting on them fails at once: its
+caller must get the blocks elsewhere, e.g. compute them again); a send likewise releases its
+pins. A pull whose source cannot be reached fails the same way.
 A message's plan is the maximal runs contiguous in both pools (``transfer.plan_messages``).
 """
 
