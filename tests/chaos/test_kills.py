@@ -83,7 +83,7 @@ def test_a_prefill_killed_mid_request_fails_that_request_and_holds_nothing(
 
 
 PROMPT = "Once upon a time, in a land of many rivers,"
-MAX_TOKENS = 1500  # long enough to be mid-stream when the kill lands
+MAX_TOKENS = 500  # long enough to be mid-stream when the kill lands
 
 
 @pytest.fixture(scope="module")
