@@ -48,6 +48,7 @@ class DecodeJob:
     source: common_pb2.KvdEndpoint | None = None
     priority: int = 0
     cache_salt: str = ""
+    prior_output: int = 0  # prompt tokens that are output already sent (a failover's)
 
 
 @dataclass
@@ -106,7 +107,8 @@ async def _run_decode(inst: EngineInstance, job: DecodeJob, timeout: float,
     kept = KeptBlocks(inst, job) if inst.bridge is not None else None
     stream = await inst.aengine.add_request(
         job.request_id, prompt, params, job.priority, job.cache_salt,
-        hold=kept is not None, prior_output=0 if job.first_token_id is None else 1)
+        hold=kept is not None,
+        prior_output=0 if job.first_token_id is None else 1 + job.prior_output)
     try:
         async for chunk in _follow(job, stream, params, kept):
             yield chunk

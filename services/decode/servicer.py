@@ -50,11 +50,18 @@ def _job_from_proto(request: engine_pb2.DecodeRequest, rid: str,
     if first is None and request.blocks:
         raise BadRequest("blocks: given without first_token_id (blocks come from a prefill, "
                          "which also returns the first token)")
+    if request.prior_output and first is None:
+        raise BadRequest("prior_output: given without first_token_id (it counts the output "
+                         "tokens before the first token)")
+    if request.prior_output and request.prior_output >= len(prompt):
+        raise BadRequest(f"prior_output must be < the prompt's {len(prompt)} tokens, "
+                         f"got {request.prior_output}")
     salt = request.meta.cache_salt
     blocks = check_block_refs(request.blocks, prompt, inst.block_size,
                               inst.engine.fingerprint, salt)
     source = request.source if request.HasField("source") and request.source.address else None
-    return DecodeJob(rid, prompt, params, first, blocks, source, request.meta.priority, salt)
+    return DecodeJob(rid, prompt, params, first, blocks, source, request.meta.priority, salt,
+                     request.prior_output)
 
 
 def _chunk_to_proto(chunk: Chunk, prompt: list[int], tokenizer: Tokenizer | None,

@@ -91,9 +91,14 @@ def usage_of(choices: Sequence[ChoiceOutput], n: int) -> dict[str, object]:
         cached += first.usage.cached_tokens if first.usage is not None else 0
     completion = sum(c.completion_tokens for c in choices)
     version = next((c.usage.model_version for c in choices if c.usage is not None), "")
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached},
-            "model_version": version}  # pdserve's: the weights version that answered
+    usage: dict[str, object] = {
+        "prompt_tokens": prompt, "completion_tokens": completion,
+        "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached},
+        "model_version": version}  # pdserve's: the weights version that answered
+    failovers = sum(c.usage.failovers for c in choices if c.usage is not None)
+    if failovers:  # pdserve's: the answer moved to another decode engine mid-stream
+        usage["failovers"] = failovers
+    return usage
 
 
 class Generation:

@@ -353,6 +353,7 @@ class Kvd:
         or its link just back and not re-registered yet) stays known: refusing it would fail
         requests routed to it; a re-registered node's new UCX address replaces its old one."""
         self._registered.update({n.address: n.ucx_address for n in nodes})
+        self.peers.learn(self._registered)
 
     async def _check_peer(self, peer: common_pb2.KvdEndpoint, field: str,
                           ucx_address: bytes = b"") -> None:

@@ -17,6 +17,17 @@ class Peers:
     def __init__(self, secret: str) -> None:
         self.metadata = ((DATA.key, secret),) if secret else ()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._ucx: dict[str, bytes] = {}  # address -> UCX address, as last registered
+
+    def learn(self, registered: dict[str, bytes]) -> None:
+        """The registry as read (address -> UCX worker address)."""
+        self._ucx.update(registered)
+
+    def restarted(self, address: str, ucx_address: bytes) -> bool:
+        """The kvd at ``address`` registered another UCX worker than ``ucx_address`` (the one
+        a transfer uses): it restarted since, and will not send that transfer's blocks."""
+        known = self._ucx.get(address)
+        return bool(ucx_address) and known is not None and known != ucx_address
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)

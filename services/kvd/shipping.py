@@ -17,11 +17,12 @@
 A pull (Await on B for blocks neither present nor in flight) is the same receive path, started
 by B: reserve slots, Transfer(PULL) to the source with B's slots, A pins and sends.
 
-Watchdogs: a receive whose peer's gRPC channel goes down, or that makes no progress for
-``transfer_timeout``, aborts the UCX endpoint (cancelling its posted receives), frees the slots
-and fails the futures with ABORTED (an Await waiting on them fails at once: its caller must
-get the blocks elsewhere, e.g. compute them again); a send likewise releases its pins. A pull
-whose source cannot be reached fails the same way.
+Watchdogs: a receive whose peer's gRPC channel goes down, whose peer registered anew (another
+UCX worker address in the registry: it restarted, its sends are gone), or that makes no
+progress for ``transfer_timeout``, aborts the UCX endpoint (cancelling its posted receives),
+frees the slots and fails the futures with ABORTED (an Await waiting on them fails at once: its
+caller must get the blocks elsewhere, e.g. compute them again); a send likewise releases its
+pins. A pull whose source cannot be reached fails the same way.
 A message's plan is the maximal runs contiguous in both pools (``transfer.plan_messages``).
 """
 
@@ -79,6 +80,7 @@ class Inbound:
     checksums: list[int]
     attempt: int = 0
     codec: str = ""  # negotiated for this transfer; "" = raw bytes
+    peer_ucx: bytes = b""  # the peer's UCX worker address: another one registered = restarted
 
 
 class Shipper:
@@ -227,7 +229,8 @@ class Shipper:
         src = [s for s, ok in zip(req.slots, accepted, strict=True) if ok]
         slots = self._reserve([r.hash for r in refs])
         tr = Inbound(req.transfer_id, req.peer, [r.hash for r in refs], slots,
-                     [r.checksum for r in refs], codec=self._accept(req.codec))
+                     [r.checksum for r in refs], codec=self._accept(req.codec),
+                     peer_ucx=req.ucx_address)
         if refs:
             try:
                 ep = await self._transport.endpoint(req.peer.node_id, req.ucx_address)
@@ -280,7 +283,8 @@ class Shipper:
             return
         sums = [tr.checksums[i] or resp.checksums[i] for i in keep]
         got = Inbound(tr.transfer_id, tr.peer, [tr.hashes[i] for i in keep],
-                      [tr.slots[i] for i in keep], sums, tr.attempt, resp.codec)
+                      [tr.slots[i] for i in keep], sums, tr.attempt, resp.codec,
+                      resp.ucx_address)
         try:
             ep = await self._transport.endpoint(tr.peer.node_id, resp.ucx_address)
         except TransportError as exc:
@@ -315,6 +319,10 @@ class Shipper:
                 elif self._peers.is_down(tr.peer.address):
                     raise StatusError(grpc.StatusCode.ABORTED, f"transfer from "
                                       f"{tr.peer.node_id} aborted: peer lost mid-transfer")
+                elif self._peers.restarted(tr.peer.address, tr.peer_ucx):
+                    raise StatusError(grpc.StatusCode.ABORTED, f"transfer from "
+                                      f"{tr.peer.node_id} aborted: peer restarted mid-transfer "
+                                      "(registered anew)")
                 elif loop.time() - last > self._timeout:
                     raise StatusError(grpc.StatusCode.ABORTED, f"transfer from "
                                       f"{tr.peer.node_id} aborted: no progress for "

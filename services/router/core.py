@@ -47,7 +47,17 @@ from pdserve.telemetry import outbound_metadata
 from services.router import metrics
 from services.router.admission import AdmissionQueue
 from services.router.controlling import RouterController
-from services.router.flow import Busy, Flow, KvLost, prefill_again, relay_decode, run_prefill
+from services.router.failover import fail_over
+from services.router.flow import (
+    Busy,
+    Down,
+    Flow,
+    Interrupted,
+    KvLost,
+    prefill_again,
+    relay_decode,
+    run_prefill,
+)
 from services.router.instances import Instance, InstancePool
 from services.router.model import ModelSpec
 from services.router.policy import Choice, RouteQuery, RoutingPolicy
@@ -178,7 +188,7 @@ class Router:
         metrics.IN_FLIGHT.inc()
         self.counters.num_requests += 1
         try:
-            group = self._group()
+            group = await self._wait_group(flow)
             hashes = await self.preparer.hash(prepared, self.block_size, group.fingerprint)
             flow.query = RouteQuery(len(prepared.prompt_ids), self.block_size, len(hashes),
                                     await self.index.lookup(hashes))
@@ -241,6 +251,18 @@ class Router:
             entry.sampled.token = raw.decode("utf-8", errors="replace")
         return entry
 
+    async def _wait_group(self, flow: Flow) -> Group:
+        """``_group()``, waiting while none is healthy but some instance is known (down,
+        likely restarting: the supervisor brings it back) up to the request's wait limits."""
+        waited = 0.0
+        while True:
+            try:
+                return self._group()
+            except StatusError as down:
+                if all(i.is_healthy for i in self.pool.instances.values()):
+                    raise  # nothing is down: nothing to wait for (a role not configured)
+                waited = await flow.wait_down(down, waited)
+
     def _group(self) -> Group:
         """The healthy instances that can serve together: prefill and decode engines (else
         colocated ones) sharing one block fingerprint (so one weights version), the largest
@@ -275,32 +297,50 @@ class Router:
             decodes = group.colocated
             flow.choice = self._place_colocated(flow, decodes)
             self._count_placement(flow)
-        try:
-            async for message in self._decode(flow, decodes, first):
-                yield message
-        except KvLost as lost:  # the client has the first token; its KV is gone: once more
-            prefills = [p for p in group.prefills if p.is_healthy]  # alike blocks only
-            decodes = [d for d in group.decodes if d.is_healthy]
-            await prefill_again(flow, self.policy, self.pool, lost, prefills, decodes)
-            async for message in self._decode(flow, decodes, None):
-                yield message
+        is_kv_lost = False
+        while True:
+            try:
+                async for message in self._decode(flow, decodes, first):
+                    yield message
+                return
+            except KvLost as lost:  # the client has the first token; its KV is gone: once more
+                if is_kv_lost:
+                    raise
+                is_kv_lost = True
+                prefills, decodes = self._alive(group)
+                await prefill_again(flow, self.policy, self.pool, lost, prefills, decodes)
+            except Interrupted as broken:  # part of the answer was sent: go on elsewhere
+                prefills, decodes = self._alive(group)
+                await fail_over(flow, self.policy, self.pool, broken, prefills, decodes)
+            first = None
+
+    @staticmethod
+    def _alive(group: Group) -> tuple[list[Instance], list[Instance]]:
+        """The group's instances still healthy (alike blocks only)."""
+        return ([p for p in group.prefills if p.is_healthy],
+                [d for d in group.decodes or group.colocated if d.is_healthy])
 
     async def _prefill(self, flow: Flow, prefills: list[Instance], decodes: list[Instance],
                        ) -> router_pb2.GenerateResponse:
-        """Prefill, waiting while every prefill instance answers busy (``Busy``)."""
-        waited = 0.0
+        """Prefill, waiting while every prefill instance answers busy (``Busy``) or is down
+        (``Down``: restarting, so the group is looked up again once one is back)."""
+        waited = down_waited = 0.0
         while True:
             try:
                 return await run_prefill(flow, self.policy, self.pool, prefills, decodes)
             except Busy as busy:
                 waited = await flow.wait_busy(busy, waited)
+            except Down as down:
+                down_waited = await flow.wait_down(down, down_waited)
+                group = await self._wait_group(flow)
+                prefills, decodes = group.prefills, group.decodes
 
     async def _decode(self, flow: Flow, decodes: list[Instance],
                       first: router_pb2.GenerateResponse | None,
                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Relay the decode, waiting while every decode instance answers busy before its
         first chunk (``Busy``); ``first`` goes out once."""
-        waited = 0.0
+        waited = down_waited = 0.0
         while True:
             try:
                 async for message in relay_decode(flow, self.policy, self.pool, decodes, first):
@@ -310,6 +350,10 @@ class Router:
                 return
             except Busy as busy:
                 waited = await flow.wait_busy(busy, waited)
+            except Down as down:  # every decode down (restarting): wait for one to be back
+                down_waited = await flow.wait_down(down, down_waited)
+                group = await self._wait_group(flow)
+                decodes = group.decodes or group.colocated
 
     def _place_colocated(self, flow: Flow, decodes: list[Instance]) -> Choice:
         assert flow.query is not None

@@ -34,10 +34,37 @@ class KvLost(StatusError):
     """A decode could not get the request's KV before its first chunk (``KV_LOST``)."""
 
 
+class Interrupted(StatusError):
+    """A decode failed after part of the answer was sent (``failed``: that engine): the
+    stream may go on elsewhere (``services.router.failover``), else this goes to the client."""
+
+    def __init__(self, message: str, failed: Instance) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+        self.failed = failed
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What a decode continuing an answer after a failover is given: the prompt followed by
+    the tokens sent but the last (``prompt_ids``), the last one (``first_token_id``), how many
+    of the prompt's are output (``prior_output``) and what is left of max_tokens."""
+
+    prompt_ids: list[int]
+    first_token_id: int
+    prior_output: int
+    sampling: common_pb2.SamplingParams
+
+
 class Busy(StatusError):
     """Every instance tried answered RESOURCE_EXHAUSTED (KV cache or queue full): capacity
     that comes back as running requests finish, so the request waits (``wait_busy``) instead
     of failing."""
+
+
+class Down(StatusError):
+    """No instance of a role could take the request: every one tried failed (down, broken) or
+    none is healthy. While some are known, they are likely restarting: the request waits
+    (``Flow.wait_down``) for one to come back, like for busy ones."""
 
 
 def _busy_after(exc: grpc.RpcError) -> float:
@@ -64,6 +91,9 @@ class Flow:
     is_latency_recorded: bool = False
     max_wait: float = 30.0  # seconds the request may wait for busy engines, in all
     num_busy_waits: int = 0
+    sent_ids: list[int] = field(default_factory=list)  # the answer's tokens sent so far
+    resume: Resume | None = None  # set by a failover: decode from here
+    num_failovers: int = 0
 
     def timeout(self) -> float | None:
         """Seconds left for an outbound call: the client's deadline, never more."""
@@ -86,6 +116,19 @@ class Flow:
         await asyncio.sleep(delay)
         return waited + delay
 
+    async def wait_down(self, down: StatusError, waited: float) -> float:
+        """Sleep before looking for a healthy instance again (an engine restarting); raise
+        ``down`` (told how long it waited) when the deadline or ``max_wait`` would pass first."""
+        delay = min(0.5, 0.05 * 2 ** min(self.num_busy_waits, 4))
+        left = self.time_remaining()
+        if waited + delay > self.max_wait or (left is not None and left < delay):
+            raise StatusError(down.code, f"{down.message}; none came back within {waited:.1f}s",
+                              retry_after=1.0)
+        self.num_busy_waits += 1
+        metrics.DOWN_WAITS.inc()
+        await asyncio.sleep(delay)
+        return waited + delay
+
     def before_call(self) -> None:
         if not self.is_latency_recorded:
             self.is_latency_recorded = True
@@ -94,7 +137,7 @@ class Flow:
     def usage(self, cached_tokens: int) -> common_pb2.Usage:
         return common_pb2.Usage(prompt_tokens=len(self.prepared.prompt_ids),
                                 completion_tokens=self.num_tokens_sent,
-                                cached_tokens=cached_tokens)
+                                cached_tokens=cached_tokens, failovers=self.num_failovers)
 
     def placement(self) -> router_pb2.Placement:
         assert self.choice is not None
@@ -128,9 +171,7 @@ async def run_prefill(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
             break
         p, d = choice.prefill, choice.decode
         uncached = flow.query.num_prompt_tokens - choice.cached_blocks * flow.query.block_size
-        request = engine_pb2.PrefillRequest(
-            meta=flow.prepared.meta, prompt_token_ids=flow.prepared.prompt_ids,
-            sampling=flow.prepared.sampling)
+        request = _prefill_request(flow)
         if d.kvd_node_id:
             request.destination.node_id, request.destination.address = d.kvd_node_id, d.kvd_address
         p.num_routed += 1
@@ -161,12 +202,26 @@ async def run_prefill(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
     if failures and len(busy_after) == len(failures):
         raise Busy(grpc.StatusCode.RESOURCE_EXHAUSTED,
                    f"no capacity: every prefill instance is busy ({why})", min(busy_after))
-    raise StatusError(grpc.StatusCode.UNAVAILABLE, f"no capacity: prefill failed ({why})")
+    raise Down(grpc.StatusCode.UNAVAILABLE, f"no capacity: prefill failed ({why})")
+
+
+def _prefill_request(flow: Flow) -> engine_pb2.PrefillRequest:
+    """The prompt, or after a failover the prompt and the answer so far but its last token:
+    only their KV is wanted, the token sampled after them is dropped (greedy, not stopping)."""
+    if flow.resume is None:
+        return engine_pb2.PrefillRequest(meta=flow.prepared.meta,
+                                         prompt_token_ids=flow.prepared.prompt_ids,
+                                         sampling=flow.prepared.sampling)
+    return engine_pb2.PrefillRequest(
+        meta=flow.prepared.meta, prompt_token_ids=flow.resume.prompt_ids,
+        sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
 
 
 def _first_message(flow: Flow, response: engine_pb2.PrefillResponse,
                    ) -> router_pb2.GenerateResponse:
-    flow.num_tokens_sent = 1
+    if flow.resume is None:  # after a failover the client has its tokens already
+        flow.num_tokens_sent = 1
+        flow.sent_ids = [response.first_token_id]
     message = router_pb2.GenerateResponse(token_ids=[response.first_token_id],
                                           text=response.text, placement=flow.placement())
     if response.HasField("first_logprobs"):
@@ -183,6 +238,11 @@ def _decode_request(flow: Flow, decode: Instance) -> engine_pb2.DecodeRequest:
     request = engine_pb2.DecodeRequest(meta=flow.prepared.meta,
                                        prompt_token_ids=flow.prepared.prompt_ids,
                                        sampling=flow.prepared.sampling)
+    resume = flow.resume
+    if resume is not None:  # no blocks (no prefill): the engine computes them itself
+        request.prompt_token_ids[:] = resume.prompt_ids
+        request.sampling.CopyFrom(resume.sampling)
+        request.first_token_id, request.prior_output = resume.first_token_id, resume.prior_output
     pre = flow.prefill_response
     if pre is not None:
         assert flow.choice is not None
@@ -223,9 +283,8 @@ async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
             if code == grpc.StatusCode.DEADLINE_EXCEEDED or code not in RETRYABLE:
                 raise _rpc_error(exc, where) from exc
             if flow.num_decode_chunks > chunks_before:  # the client has part of this answer
-                raise StatusError(grpc.StatusCode.UNAVAILABLE,
-                                  f"{where} failed after {flow.num_tokens_sent} tokens were sent: "
-                                  f"{code.name} {exc.details()}") from exc
+                raise Interrupted(f"{where} failed after {flow.num_tokens_sent} tokens were "
+                                  f"sent: {code.name} {exc.details()}", decode) from exc
             tried.append(decode.address)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 busy_after.append(_busy_after(exc))
@@ -235,7 +294,7 @@ async def relay_decode(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
                 raise Busy(code, f"no capacity: every decode instance is busy ({where}: "
                            f"{exc.details()})", min(busy_after)) from exc
             if replacement is None or attempt == flow.max_retries:
-                raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                raise Down(grpc.StatusCode.UNAVAILABLE,
                                   f"no capacity: {where} failed ({code.name} {exc.details()}) "
                                   f"and no other decode instance is left to try") from exc
             metrics.RETRIES.labels("decode").inc()
@@ -289,7 +348,7 @@ async def _relay_one(flow: Flow, decode: Instance, first: router_pb2.GenerateRes
     flow.touched.append(decode)
     flow.before_call()
     call = decode.decode.Decode(request, timeout=timeout, metadata=flow.metadata)
-    is_first = flow.prefill_response is None
+    is_first = flow.prefill_response is None and not flow.sent_ids  # colocated, not resumed
     try:
         if first is not None:
             yield first
@@ -302,6 +361,7 @@ async def _relay_one(flow: Flow, decode: Instance, first: router_pb2.GenerateRes
                 message.placement.CopyFrom(flow.placement())
                 is_first = False
             flow.num_tokens_sent += len(chunk.token_ids)
+            flow.sent_ids.extend(chunk.token_ids)
             flow.num_decode_chunks += 1
             if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 pre = flow.prefill_response

@@ -32,3 +32,6 @@ QUEUED = Gauge("pdserve_router_admission_queued", "Requests waiting in the admis
 QUEUE_WAIT = Histogram("pdserve_router_admission_wait_seconds",
                        "Time from arrival to admission (prepared, then queued)",
                        buckets=_LATENCY)
+DOWN_WAITS = Counter("pdserve_router_down_waits",
+                     "Waits for an instance to come back while none of a role is healthy "
+                     "(restarting)")

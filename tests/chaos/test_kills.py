@@ -1,15 +1,20 @@
 """kill -9 and SIGSTOP of the processes of one live stack (1 prefill node, 2 decode nodes):
 the client sees a retryable error at worst, the stack serves again within its bound, the
-supervisor restarts what died, a restarted kvd gets its engine back, nothing stays pinned."""
+supervisor restarts what died, a restarted kvd gets its engine back, nothing stays pinned. A
+decode killed mid-stream fails over: the client's one stream carries the whole reference answer
+(``LLM.generate``) with no token lost or sent twice, and its usage counts the failover."""
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
 
+import httpx
 import pytest
 
+from pdserve import LLM, SamplingParams
 from pdserve_bench.chaos import ChaosStack, Probe
 from tests.chaos.conftest import assert_idle, healthy
 
@@ -73,6 +78,60 @@ def test_a_prefill_killed_mid_request_fails_that_request_and_holds_nothing(
     assert held.get("kvd-p0") == (0, 0, 0), held
     assert time.monotonic() - start < 10
     stack.wait_restarted("prefill-0", pid)
+    healthy(stack)
+    assert_idle(stack)
+
+
+PROMPT = "Once upon a time, in a land of many rivers,"
+MAX_TOKENS = 500  # long enough to be mid-stream when the kill lands
+
+
+@pytest.fixture(scope="module")
+def reference() -> str:
+    llm = LLM("tiny")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return llm.generate([PROMPT], params)[0].text
+
+
+def _streaming_decode(stack: ChaosStack) -> str:
+    """The decode engine running a request now."""
+    for _ in range(100):
+        busy = [n for n, v in stack.held().items() if n.startswith("decode-") and v[1] > 0]
+        if busy:
+            return busy[0]
+        time.sleep(0.02)
+    raise AssertionError("no decode engine is running the request")
+
+
+def test_a_decode_killed_mid_stream_fails_over_with_the_exact_text(
+        stack: ChaosStack, reference: str) -> None:
+    healthy(stack, ("decode-0", "decode-1"))
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    pieces: list[str] = []
+    usage: dict[str, object] = {}
+    killed: list[tuple[str, int, int]] = []  # (engine, its pid, text pieces seen before)
+    started = threading.Event()
+    with httpx.stream("POST", f"{stack.base_url}/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            pieces.extend(c["text"] for c in event["choices"])
+            usage = event.get("usage") or usage
+            if len(pieces) == 20 and not started.is_set():
+                started.set()
+                name = _streaming_decode(stack)
+                killed.append((name, stack.kill(name), len(pieces)))
+    assert killed, "the answer ended before the kill"
+    assert len(pieces) > killed[0][2] + 10, "the kill landed after the answer was complete"
+    assert "".join(pieces) == reference  # byte for byte: nothing lost, nothing twice
+    assert usage["completion_tokens"] == MAX_TOKENS
+    assert usage["failovers"] == 1
+    name, pid, _ = killed[0]
+    stack.wait_restarted(name, pid)
     healthy(stack)
     assert_idle(stack)
 

@@ -127,9 +127,9 @@ async def test_kv_lost_twice_is_a_clear_error(cluster: Cluster) -> None:
 
 async def test_decode_failing_after_tokens_gives_them_and_a_clear_error(cluster: Cluster) -> None:
     p = await cluster.engine("P", "prefill")
-    d1, d2 = await cluster.engine("D1", "decode"), await cluster.engine("D2", "decode")
+    d1 = await cluster.engine("D1", "decode")
     d1.decode_fail_after = 1
-    _, client = await cluster.router([p], [d1, d2], policy="round_robin")
+    _, client = await cluster.router([p], [d1], policy="round_robin")
     call = client.stub.Generate(request(ids=PROMPT), timeout=10)
     got = []
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -138,7 +138,8 @@ async def test_decode_failing_after_tokens_gives_them_and_a_clear_error(cluster:
     assert got == [[7], [100]]
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "decode on D1 failed after 2 tokens" in err.value.details()
-    assert d2.seen.decodes == []  # not retried: the client already has part of the answer
+    assert "no other decode instance is left to go on" in err.value.details()
+    assert len(p.seen.prefills) == 1  # no other decode: nothing computed again
 
 
 async def test_deadline_reaches_every_engine_call(cluster: Cluster) -> None:
@@ -367,3 +368,27 @@ async def test_a_busy_engine_stays_in_rotation_until_several_checks_time_out(
     d.stats_delay = 0.0
     await router.poll()
     assert router.pool.instances[d.address].is_healthy
+
+
+async def test_a_request_waits_for_the_only_prefill_to_come_back(cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    router, client = await cluster.router([p], [d], poll_interval=0.1, max_wait=20)
+    port = p.port
+    await p.stop()  # restarting: down for a while, known to the router
+    await router.poll()
+    restart = asyncio.create_task(asyncio.sleep(1.0))
+    restart.add_done_callback(lambda _: asyncio.ensure_future(p.start(port)))
+    msgs = await client.generate(ids=PROMPT, timeout=15)
+    assert msgs[0].placement.prefill_instance == "P"  # served once P was back
+    assert restart.done()
+
+
+async def test_a_prefill_down_past_max_wait_fails_with_the_wait(cluster: Cluster) -> None:
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    _, client = await cluster.router([p], [d], max_wait=0.5)
+    await p.stop()  # the first prefill call finds it down
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await client.generate(ids=PROMPT)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no capacity" in err.value.details()
+    assert "none came back within" in err.value.details()
