@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from pdserve.models.decoder import DecoderLM
-from pdserve.models.layers import Attention, GatedMLP
+from pdserve.models.layers import Attention, GatedMLP, Linear
 
 
-def decode_gemms(model: DecoderLM) -> list[torch.nn.Module]:
+def decode_gemms(model: DecoderLM) -> list[Linear]:
     """The projections of one decode step, in order (layers with a sparse MoE have none)."""
-    mods: list[torch.nn.Module] = []
+    mods: list[Linear] = []
     for layer in model.layers:
         attn = layer.self_attn
         assert isinstance(attn, Attention)
@@ -37,7 +37,7 @@ def gemm_step_seconds(model: DecoderLM, num_rows: int, iters: int = 10) -> float
     """Best-of-``iters`` seconds of one step's GEMMs at ``num_rows`` rows (after 2 warm-ups)."""
     mods = decode_gemms(model)
     dtype = model.embed_tokens.dtype
-    inputs = [torch.randn(num_rows, m.weight.shape[1]).to(dtype) for m in mods]  # type: ignore[union-attr,index]
+    inputs = [torch.randn(num_rows, m.weight.shape[1]).to(dtype) for m in mods]
     head_in = torch.randn(num_rows, model.config.hidden_size).to(dtype)
     best = float("inf")
     for i in range(iters + 2):
