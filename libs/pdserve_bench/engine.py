@@ -4,12 +4,18 @@ The ``bench-50m`` built-in is saved as a Hugging Face directory; both sides load
 (or ``--dtype``) and get the same random prompts (128 tokens, 128 new tokens, greedy, EOS
 ignored) at each concurrency. Prefill tokens/s = prompt tokens / time to every first token;
 decode tokens/s = the remaining tokens / the remaining time.
+
+Each repeat runs transformers, pdserve and the GEMM ceiling (``gemm_ceiling.py``: the model's
+own projections alone, at the same rows, dtype and threads) back to back in this process;
+the best run of each counts, and the per-repeat ratios are reported as ranges (the machine
+may be shared). ``gemm_fraction`` = ceiling GEMM time / pdserve decode step time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -22,6 +28,7 @@ from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
 from pdserve.models import save_builtin
 from pdserve.sampling_params import SamplingParams
+from pdserve_bench.gemm_ceiling import cpu_features, gemm_step_seconds
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,12 @@ class Result:
     hf_decode_tps: float
     pdserve_prefill_tps: float
     hf_prefill_tps: float
+    dtype: str = "float32"
+    decode_step_ms: float = 0.0        # pdserve, best run
+    gemm_step_ms: float = 0.0          # the ceiling, best run
+    gemm_fraction: float = 0.0         # gemm_step_ms / decode_step_ms
+    decode_ratio_range: tuple[float, float] = (0.0, 0.0)   # pdserve / hf, per repeat
+    gemm_fraction_range: tuple[float, float] = (0.0, 0.0)  # per repeat
 
 
 def _prompts(num_seqs: int, prompt_len: int, vocab: int) -> list[list[int]]:
@@ -104,40 +117,56 @@ def bench(concurrencies: list[int], prompt_len: int, new_tokens: int,
     warm = _prompts(2, 16, vocab)
     run_pdserve(engine, warm, 4)
     run_hf(hf, warm, 4)
-    results = []
-    for n in concurrencies:
-        prompts = _prompts(n, prompt_len, vocab)
-        decoded = n * (new_tokens - 1)
-        hf_runs, pd_runs = [], []
-        for _ in range(repeats):
-            hf_runs.append(run_hf(hf, prompts, new_tokens))
-            pd_runs.append(run_pdserve(engine, prompts, new_tokens))
-        hf_pre, hf_dec = min(r[0] for r in hf_runs), min(r[1] for r in hf_runs)
-        pd_pre, pd_dec = min(r[0] for r in pd_runs), min(r[1] for r in pd_runs)
-        results.append(Result(n, decoded / pd_dec, decoded / hf_dec,
-                              n * prompt_len / pd_pre, n * prompt_len / hf_pre))
-    return results
+    return [_one_concurrency(engine, hf, n, prompt_len, new_tokens, repeats, dtype)
+            for n in concurrencies]
+
+
+def _one_concurrency(engine: Engine, hf: Any, n: int, prompt_len: int, new_tokens: int,
+                     repeats: int, dtype: str) -> Result:
+    prompts = _prompts(n, prompt_len, engine.config.vocab_size)
+    steps = new_tokens - 1
+    hf_runs, pd_runs, gemm = [], [], []
+    for _ in range(repeats):
+        hf_runs.append(run_hf(hf, prompts, new_tokens))
+        pd_runs.append(run_pdserve(engine, prompts, new_tokens))
+        gemm.append(gemm_step_seconds(engine.runner.model, n))  # type: ignore[arg-type]
+    ratios = [h[1] / p[1] for h, p in zip(hf_runs, pd_runs, strict=True)]
+    fractions = [g * steps / p[1] for g, p in zip(gemm, pd_runs, strict=True)]
+    hf_pre, hf_dec = min(r[0] for r in hf_runs), min(r[1] for r in hf_runs)
+    pd_pre, pd_dec = min(r[0] for r in pd_runs), min(r[1] for r in pd_runs)
+    return Result(n, n * steps / pd_dec, n * steps / hf_dec, n * prompt_len / pd_pre,
+                  n * prompt_len / hf_pre, dtype, 1e3 * pd_dec / steps, 1e3 * min(gemm),
+                  min(gemm) * steps / pd_dec, (min(ratios), max(ratios)),
+                  (min(fractions), max(fractions)))
 
 
 def format_table(results: list[Result]) -> str:
-    lines = [f"{'seqs':>5} {'phase':>8} {'pdserve tok/s':>14} {'hf tok/s':>10} {'ratio':>6}"]
+    lines = [f"{'dtype':>8} {'seqs':>5} {'phase':>8} {'pdserve tok/s':>14} {'hf tok/s':>10} "
+             f"{'ratio':>6} {'ratio range':>12} {'step ms':>8} {'gemm ms':>8} {'of ceiling':>11}"]
     for r in results:
-        for phase, ours, theirs in (("prefill", r.pdserve_prefill_tps, r.hf_prefill_tps),
-                                    ("decode", r.pdserve_decode_tps, r.hf_decode_tps)):
-            lines.append(f"{r.num_seqs:>5} {phase:>8} {ours:>14.1f} {theirs:>10.1f} "
-                         f"{ours / theirs:>6.2f}")
+        pre = r.pdserve_prefill_tps / r.hf_prefill_tps
+        lines.append(f"{r.dtype:>8} {r.num_seqs:>5} {'prefill':>8} {r.pdserve_prefill_tps:>14.1f} "
+                     f"{r.hf_prefill_tps:>10.1f} {pre:>6.2f}")
+        lo, hi = r.decode_ratio_range
+        flo, fhi = r.gemm_fraction_range
+        lines.append(f"{r.dtype:>8} {r.num_seqs:>5} {'decode':>8} {r.pdserve_decode_tps:>14.1f} "
+                     f"{r.hf_decode_tps:>10.1f} {r.pdserve_decode_tps / r.hf_decode_tps:>6.2f} "
+                     f"{f'{lo:.2f}-{hi:.2f}':>12} {r.decode_step_ms:>8.2f} {r.gemm_step_ms:>8.2f} "
+                     f"{f'{r.gemm_fraction:.0%} ({flo:.0%}-{fhi:.0%})':>11}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__)
-    parser.add_argument("--json", action="store_true", help="one JSON object per concurrency")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object per dtype and concurrency")
     parser.add_argument("--quick", action="store_true", help="16 new tokens (smoke run)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="weights and KV dtype, both sides")
+    parser.add_argument("--dtype", nargs="+", default=["float32"],
+                        choices=["float32", "bfloat16"],
+                        help="weights and KV dtype, both sides; several give one row set each")
     parser.add_argument("--repeats", type=int, default=1, help="best of N runs per side")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = parser.parse_args(argv)
@@ -148,13 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens = 16 if args.quick else args.new_tokens
     if args.prompt_len < 1 or new_tokens < 2 or min(args.concurrency) < 1 or args.repeats < 1:
         parser.error("--prompt-len, --concurrency, --repeats must be >= 1, --new-tokens >= 2")
-    results = bench(args.concurrency, args.prompt_len, new_tokens, args.repeats, args.dtype)
+    hardware = cpu_features()
+    results = [r for dtype in args.dtype
+               for r in bench(args.concurrency, args.prompt_len, new_tokens, args.repeats, dtype)]
+    hardware["load_average_after"] = round(os.getloadavg()[0], 2)
     if args.json:
         for r in results:
-            print(json.dumps(asdict(r)))
+            print(json.dumps(asdict(r) | {"hardware": hardware}))
     else:
-        print(f"bench-50m, {args.dtype}, {torch.get_num_threads()} threads, prompt "
-              f"{args.prompt_len} tokens, {new_tokens} new tokens")
+        print(f"bench-50m, {torch.get_num_threads()} threads, prompt {args.prompt_len} tokens, "
+              f"{new_tokens} new tokens, best of {args.repeats}")
+        print("hardware: " + ", ".join(f"{k}={v}" for k, v in hardware.items()))
         print(format_table(results))
     return 0
 

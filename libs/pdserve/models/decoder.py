@@ -16,6 +16,7 @@ from pdserve.models.config import ModelConfig
 from pdserve.models.kernels import Kernels, kernels_for
 from pdserve.models.layers import Attention, GatedMLP, RMSNorm, UsesKernels, empty_param
 from pdserve.models.moe import SparseMoe
+from pdserve.models.packed import PackedWeight
 from pdserve.models.rope import Rotary
 from pdserve.models.weights import WeightRouter
 
@@ -60,6 +61,7 @@ class DecoderLM(CausalLM, UsesKernels):
         self.lm_head = None if config.tie_word_embeddings else empty_param(
             config.vocab_size, config.hidden_size
         )
+        self.lm_head_packed: PackedWeight | None = None  # set at load on CPU
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -84,6 +86,8 @@ class DecoderLM(CausalLM, UsesKernels):
                 module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_packed is not None:
+            return self.lm_head_packed.linear(hidden, None).float()
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight).float()
 

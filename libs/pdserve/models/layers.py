@@ -17,6 +17,7 @@ from torch import nn
 from pdserve.attention.base import AttentionBackend
 from pdserve.models.config import ModelConfig
 from pdserve.models.kernels import TORCH_KERNELS, Kernels
+from pdserve.models.packed import PackedWeight
 
 
 def empty_param(*shape: int) -> nn.Parameter:
@@ -30,8 +31,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = empty_param(out_features, in_features)
         self.bias = empty_param(out_features) if bias else None
+        self.packed: PackedWeight | None = None  # set at load on CPU (models/packed.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.linear(x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
