@@ -27,7 +27,7 @@
     deadline left on the client's; on client cancel, deadline or error the calls in flight are
     cancelled and Engine.Abort is sent best effort (the engine frees the request's blocks).
 Which instances serve together is ``grouping``'s; steps 4-7 run in ``running`` (each engine
-call in ``flow``); this module admits, relays and answers the other rpcs.
+call in ``phases``); this module admits, relays and answers the other rpcs.
 """
 
 from __future__ import annotations

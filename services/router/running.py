@@ -18,12 +18,10 @@ from services.router.flow import (
     Flow,
     Interrupted,
     KvLost,
-    prefill_again,
-    relay_decode,
-    run_prefill,
 )
 from services.router.grouping import Group, Groups
 from services.router.instances import Instance, InstancePool
+from services.router.phases import prefill_again, relay_decode, run_prefill
 from services.router.policy import Choice, RoutingPolicy
 
 
