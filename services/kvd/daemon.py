@@ -1,16 +1,16 @@
-"""The kvd core: the shared-memory pool, its control operations, and the Await logic.
+"""The kvd core: the shared-memory pool, its control operations, and the Await entry.
 
 An engine registers its block layout (fixing the slot size), allocates slots, writes blocks
 into the mapped segment, and commits them under their hashes, optionally naming a destination
 kvd so they are pushed at once (``shipping`` has the transfer life cycle). On the other node
 an engine awaits the hashes: present ones are pinned, in-flight ones waited for, the rest
 pulled from the given or indexed source; on any failure every pin the Await took is released.
+``awaiting`` has that wait, ``peering`` the registry of peers this kvd deals with.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import mmap
 import os
@@ -27,7 +27,7 @@ from pdserve.hashing import HASH_LEN, block_checksum
 from pdserve.index import IndexUnavailable, NodeRecord, PrefixIndex
 from pdserve.kvd import layout as L
 from pdserve.proto.v1 import common_pb2, kvd_pb2
-from services.kvd import segments, wirecodec
+from services.kvd import awaiting, peering, segments, wirecodec
 from services.kvd.config import KvdConfig
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
@@ -49,9 +49,9 @@ class Kvd:
             Faults(config.fault_corrupt_every, config.fault_send_delay_ms),
             config.ucx_error_handling)
         self.peers = Peers(auth.secrets().get(auth.DATA.name, ""))
-        self._registered: dict[str, bytes] = {}  # the index's kvds: address -> UCX address
+        self.gate = peering.PeerGate(index, self.peers, config.peers)
         self.sync = IndexSync(index, self._record, self._present, config.heartbeat,
-                              config.index_ttl, self._learn_nodes)
+                              config.index_ttl, self.gate.learn_nodes)
         self.layout: L.BlockLayout | None = None
         self.codec = wirecodec.make(config.wire_codec)  # opt-in (--wire-codec)
         self.shipper: Shipper | None = None
@@ -61,7 +61,7 @@ class Kvd:
 
     # -- life --------------------------------------------------------------------------------
     async def start(self, me: common_pb2.KvdEndpoint) -> None:
-        self.me = me
+        self.me = self.gate.me = me
         self.transport.start()
         self.sync.start()
         self._lease_task = asyncio.get_running_loop().create_task(self._expire_leases())
@@ -221,7 +221,7 @@ class Kvd:
         if len({e.slot for e in entries}) != len(entries):
             raise BadRequest("entries: a slot appears twice")
         if destination is not None and destination.address:
-            await self._check_peer(destination, "destination")
+            await self.gate.check(destination, "destination")
         slots, new = [], []
         for i, e in enumerate(entries):
             slot = pool.commit(e.slot, e.pin_id, e.hash, e.checksum, f"entries[{i}]")
@@ -262,7 +262,7 @@ class Kvd:
             raise BadRequest(f"pin_ids: unknown or expired pin {unknown[0]}")
         return sum(ship.pool.release(p) for p in pin_ids)
 
-    # -- await -------------------------------------------------------------------------------
+    # -- await (``awaiting``) ----------------------------------------------------------------------
     async def await_blocks(self, refs: Sequence[common_pb2.BlockRef],
                            source: common_pb2.KvdEndpoint | None, lease_ms: int,
                            client_id: str, timeout: float) -> list[PinRecord]:
@@ -271,131 +271,19 @@ class Kvd:
         for i, r in enumerate(refs):
             self._check_hash(r.hash, f"blocks[{i}].hash")
         ship.pool.check_quota(client_id, len(refs), self._quota(ship.pool))
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        pins: dict[int, PinRecord] = {}
-        pulled = False
-        try:
-            while True:
-                missing = self._pin_present(ship, refs, pins, client_id, self._lease(lease_ms))
-                if not missing:
-                    return [pins[i] for i in range(len(refs))]
-                to_pull = [i for i in missing if refs[i].hash not in ship.inbound]
-                if to_pull and not pulled:
-                    src = await self._source_for(refs, to_pull, source)
-                    ship.start_pull(src, [refs[i].hash for i in to_pull],
-                                    [refs[i].checksum for i in to_pull])
-                    pulled = True
-                    continue
-                if to_pull:
-                    raise StatusError(grpc.StatusCode.NOT_FOUND,
-                                      f"blocks[{to_pull[0]}]: block "
-                                      f"{refs[to_pull[0]].hash.hex()[:16]} was evicted while "
-                                      "awaited")
-                waiting = [ship.inbound[refs[i].hash] for i in missing]
-                done, _ = await asyncio.wait(waiting, timeout=deadline - loop.time(),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    raise StatusError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                      f"blocks: {len(missing)} of {len(refs)} not present within "
-                                      f"the deadline ({timeout:.3g}s)")
-                for fut in done:
-                    fut.result()  # raises the transfer's StatusError
-        except BaseException:
-            for pin in pins.values():
-                ship.pool.release(pin.pin_id)
-            raise
+        return await awaiting.await_blocks(
+            ship, refs, source, self._lease(lease_ms), client_id, timeout,
+            lambda refs, to_pull, source: awaiting.find_source(self._index, self.gate, refs,
+                                                               to_pull, source))
 
-    @staticmethod
-    def _pin_present(ship: Shipper, refs: Sequence[common_pb2.BlockRef], pins: dict[int, PinRecord],
-                     client_id: str, lease_s: float) -> list[int]:
-        missing = []
-        for i, r in enumerate(refs):
-            if i in pins:
-                continue
-            pin = ship.pool.pin_present(r.hash, client_id, lease_s)
-            if pin is None:
-                missing.append(i)
-                continue
-            # A present block was verified against its own checksum when it arrived (or was
-            # committed here). The caller's checksum may differ: two prefill engines that
-            # computed the same prefix in different chunks or batches produce the same block
-            # hash with bits that differ in the last place. Both are that prefix's KV, so the
-            # block here serves; the checksum guards transit, not provenance.
-            pins[i] = pin
-        return missing
-
-    async def _source_for(self, refs: Sequence[common_pb2.BlockRef], to_pull: list[int],
-                          source: common_pb2.KvdEndpoint | None) -> common_pb2.KvdEndpoint:
-        if source is not None and source.address:
-            await self._check_peer(source, "source")
-            return common_pb2.KvdEndpoint(node_id=source.node_id or source.address,
-                                          address=source.address)
-        not_found = StatusError(grpc.StatusCode.NOT_FOUND, f"blocks[{to_pull[0]}]: block "
-                                f"{refs[to_pull[0]].hash.hex()[:16]} is not here, not in flight, "
-                                "and no source was given or found in the index")
-        if self._index is None:
-            raise not_found
-        try:
-            counts = await self._index.lookup([r.hash for r in refs])
-            records = {n.node_id: n for n in await self._index.nodes()}
-        except IndexUnavailable as exc:
-            raise not_found from exc
-        holders = [(c, n) for n, c in counts.items()
-                   if n != self.me.node_id and n in records and c > max(to_pull)]
-        if not holders:
-            raise not_found
-        best = records[max(holders)[1]]
-        return common_pb2.KvdEndpoint(node_id=best.node_id, address=best.address)
-
-    def _learn_nodes(self, nodes: list[NodeRecord]) -> None:
-        """Add the registry as read at a heartbeat. A node whose record lapsed (partitioned,
-        or its link just back and not re-registered yet) stays known: refusing it would fail
-        requests routed to it; a re-registered node's new UCX address replaces its old one."""
-        self._registered.update({n.address: n.ucx_address for n in nodes})
-        self.peers.learn(self._registered)
-
-    async def _check_peer(self, peer: common_pb2.KvdEndpoint, field: str,
-                          ucx_address: bytes = b"") -> None:
-        """Only registered kvd nodes (the index's registry, or --peers) are pushed to, pulled
-        from or sent to: a forged address would get blocks (and this kvd's credential), or
-        hand it forged bytes. With ``ucx_address``, it must be the registered node's own.
-        PERMISSION_DENIED otherwise."""
-        if peer.address == self.me.address or peer.address in self.config.peers:
-            return
-        known = self._registered.get(peer.address)
-        if (known is None or ucx_address and known != ucx_address) and self._index is not None:
-            with contextlib.suppress(IndexUnavailable):  # then what is unknown stays refused
-                self._registered = {n.address: n.ucx_address for n in await self._index.nodes()}
-            known = self._registered.get(peer.address)
-        if known is None:
-            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
-                              f"{field}: {peer.address} is not a registered kvd node (not in "
-                              "the prefix index's node registry, not in --peers)")
-        if ucx_address and known != ucx_address:
-            raise StatusError(grpc.StatusCode.PERMISSION_DENIED,
-                              f"{field}: the UCX address given for {peer.address} is not the "
-                              "one that node registered")
-
-    # -- peers and stats ---------------------------------------------------------------------
+    # -- peers (``peering``) and stats -------------------------------------------------------------
     async def transfer(self, req: kvd_pb2.TransferRequest) -> kvd_pb2.TransferResponse:
         ship = self._ship()
         self._check_batch(len(req.blocks), "blocks")
         for i, r in enumerate(req.blocks):
             self._check_hash(r.hash, f"blocks[{i}].hash")
-        if req.slot_bytes != ship.slot_bytes:
-            raise BadRequest(f"slot_bytes: peer blocks are {req.slot_bytes} bytes, ours "
-                             f"{ship.slot_bytes}")
-        if req.kv_dtype and self.layout is not None and req.kv_dtype != self.layout.dtype:
-            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"kv_dtype: peer blocks are {req.kv_dtype}, this pool holds "
-                              f"{self.layout.dtype}; quantized and unquantized KV caches never "
-                              "exchange blocks")
-        if len(req.slots) != len(req.blocks):
-            raise BadRequest(f"slots: {len(req.slots)} slots for {len(req.blocks)} blocks")
-        if not req.peer.node_id or not req.peer.address or not req.ucx_address:
-            raise BadRequest("peer: node_id, address and ucx_address are required")
-        await self._check_peer(req.peer, "peer", req.ucx_address)
+        peering.check_transfer(req, ship.slot_bytes, self.layout)
+        await self.gate.check(req.peer, "peer", req.ucx_address)
         if req.direction == kvd_pb2.TransferRequest.DIRECTION_PUSH:
             return await ship.serve_push(req)
         if req.direction == kvd_pb2.TransferRequest.DIRECTION_PULL:

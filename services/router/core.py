@@ -26,6 +26,8 @@
     Colocated engines skip 5-6: their Decode prefills too. Every outbound call gets the
     deadline left on the client's; on client cancel, deadline or error the calls in flight are
     cancelled and Engine.Abort is sent best effort (the engine frees the request's blocks).
+Which instances serve together is ``grouping``'s; steps 4-7 run in ``running`` (each engine
+call in ``phases``); this module admits, relays and answers the other rpcs.
 """
 
 from __future__ import annotations
@@ -47,45 +49,20 @@ from pdserve.telemetry import outbound_metadata
 from services.router import metrics
 from services.router.admission import AdmissionQueue
 from services.router.controlling import RouterController
-from services.router.failover import fail_over
-from services.router.flow import (
-    Busy,
-    Down,
-    Flow,
-    Interrupted,
-    KvLost,
-    prefill_again,
-    relay_decode,
-    run_prefill,
-)
+from services.router.flow import Flow
+from services.router.grouping import Groups
 from services.router.instances import Instance, InstancePool
 from services.router.model import ModelSpec
-from services.router.policy import Choice, RouteQuery, RoutingPolicy
+from services.router.policy import RouteQuery, RoutingPolicy
 from services.router.prefix import IndexClient
 from services.router.preparing import Preparer
 from services.router.quotas import QuotaBook, QuotaExceeded
 from services.router.requests import Prepared, RouterLimits, detokenize, tokenize
+from services.router.running import Runner
 from services.router.slo_admission import SloGate
 from services.router.tools import with_tool_calls
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class Group:
-    """Instances whose blocks hash alike (one ``kv_fingerprint``), by role."""
-
-    fingerprint: str
-    prefills: list[Instance] = field(default_factory=list)
-    decodes: list[Instance] = field(default_factory=list)
-    colocated: list[Instance] = field(default_factory=list)
-
-    def add(self, role: common_pb2.Role, inst: Instance) -> None:
-        members = {common_pb2.ROLE_PREFILL: self.prefills, common_pb2.ROLE_DECODE: self.decodes,
-                   common_pb2.ROLE_COLOCATED: self.colocated}
-        members[role].append(inst)
-
-    def size(self) -> int:
-        return len(self.prefills) + len(self.decodes) + len(self.colocated)
 
 
 @dataclass
@@ -117,6 +94,12 @@ class Router:
     num_in_flight: int = 0
     _poll_task: asyncio.Task[None] | None = None
     _background: set[asyncio.Task[object]] = field(default_factory=set)
+    groups: Groups = field(init=False)  # which instances serve together (``grouping``)
+    runner: Runner = field(init=False)  # steps 4-7 across them (``running``)
+
+    def __post_init__(self) -> None:
+        self.groups = Groups(self.pool, self.model, self.fingerprint_order)
+        self.runner = Runner(self.policy, self.pool, self.groups, self._count_placement)
 
     async def start(self) -> None:
         await self.poll()
@@ -188,11 +171,11 @@ class Router:
         metrics.IN_FLIGHT.inc()
         self.counters.num_requests += 1
         try:
-            group = await self._wait_group(flow)
+            group = await self.groups.wait(flow)
             hashes = await self.preparer.hash(prepared, self.block_size, group.fingerprint)
             flow.query = RouteQuery(len(prepared.prompt_ids), self.block_size, len(hashes),
                                     await self.index.lookup(hashes))
-            messages = self._run(flow, group)
+            messages = self.runner.run(flow, group)
             if prepared.tools is not None:
                 messages = with_tool_calls(messages, prepared.tools)
             async for message in self._relay(flow, prepared, messages):
@@ -251,117 +234,6 @@ class Router:
             entry.sampled.token = raw.decode("utf-8", errors="replace")
         return entry
 
-    async def _wait_group(self, flow: Flow) -> Group:
-        """``_group()``, waiting while none is healthy but some instance is known (down,
-        likely restarting: the supervisor brings it back) up to the request's wait limits."""
-        waited = 0.0
-        while True:
-            try:
-                return self._group()
-            except StatusError as down:
-                if all(i.is_healthy for i in self.pool.instances.values()):
-                    raise  # nothing is down: nothing to wait for (a role not configured)
-                waited = await flow.wait_down(down, waited)
-
-    def _group(self) -> Group:
-        """The healthy instances that can serve together: prefill and decode engines (else
-        colocated ones) sharing one block fingerprint (so one weights version), the largest
-        such group, the newest of equal ones. An engine
-        that has not reported its fingerprint is taken to use the model's."""
-        groups: dict[str, Group] = {}
-        for role in (common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_COLOCATED):
-            for inst in self.pool.healthy(role):
-                fp = inst.stats.kv_fingerprint or self.model.fingerprint
-                groups.setdefault(fp, Group(fp)).add(role, inst)
-        for fp in groups:  # a rolling reload's new version is seen after the old one
-            self.fingerprint_order.setdefault(fp, len(self.fingerprint_order))
-        disaggregated = [g for g in groups.values() if g.prefills and g.decodes]
-        colocated = [g for g in groups.values() if g.colocated]
-        # Equal sizes: the newest version wins, so the old one drains as a reload proceeds.
-        best = max(disaggregated or colocated, default=None,
-                   key=lambda g: (g.size(), self.fingerprint_order[g.fingerprint]))
-        if best is None:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, self._no_capacity())
-        return best
-
-    async def _run(self, flow: Flow, group: Group) -> AsyncIterator[router_pb2.GenerateResponse]:
-        prefills, decodes = group.prefills, group.decodes
-        first = None
-        if prefills and decodes:
-            first = await self._prefill(flow, prefills, decodes)
-            self._count_placement(flow)
-            if first.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                yield first
-                return
-        else:
-            decodes = group.colocated
-            flow.choice = self._place_colocated(flow, decodes)
-            self._count_placement(flow)
-        is_kv_lost = False
-        while True:
-            try:
-                async for message in self._decode(flow, decodes, first):
-                    yield message
-                return
-            except KvLost as lost:  # the client has the first token; its KV is gone: once more
-                if is_kv_lost:
-                    raise
-                is_kv_lost = True
-                prefills, decodes = self._alive(group)
-                await prefill_again(flow, self.policy, self.pool, lost, prefills, decodes)
-            except Interrupted as broken:  # part of the answer was sent: go on elsewhere
-                prefills, decodes = self._alive(group)
-                await fail_over(flow, self.policy, self.pool, broken, prefills, decodes)
-            first = None
-
-    @staticmethod
-    def _alive(group: Group) -> tuple[list[Instance], list[Instance]]:
-        """The group's instances still healthy (alike blocks only)."""
-        return ([p for p in group.prefills if p.is_healthy],
-                [d for d in group.decodes or group.colocated if d.is_healthy])
-
-    async def _prefill(self, flow: Flow, prefills: list[Instance], decodes: list[Instance],
-                       ) -> router_pb2.GenerateResponse:
-        """Prefill, waiting while every prefill instance answers busy (``Busy``) or is down
-        (``Down``: restarting, so the group is looked up again once one is back)."""
-        waited = down_waited = 0.0
-        while True:
-            try:
-                return await run_prefill(flow, self.policy, self.pool, prefills, decodes)
-            except Busy as busy:
-                waited = await flow.wait_busy(busy, waited)
-            except Down as down:
-                down_waited = await flow.wait_down(down, down_waited)
-                group = await self._wait_group(flow)
-                prefills, decodes = group.prefills, group.decodes
-
-    async def _decode(self, flow: Flow, decodes: list[Instance],
-                      first: router_pb2.GenerateResponse | None,
-                      ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """Relay the decode, waiting while every decode instance answers busy before its
-        first chunk (``Busy``); ``first`` goes out once."""
-        waited = down_waited = 0.0
-        while True:
-            try:
-                async for message in relay_decode(flow, self.policy, self.pool, decodes, first):
-                    if message is first:
-                        first = None
-                    yield message
-                return
-            except Busy as busy:
-                waited = await flow.wait_busy(busy, waited)
-            except Down as down:  # every decode down (restarting): wait for one to be back
-                down_waited = await flow.wait_down(down, down_waited)
-                group = await self._wait_group(flow)
-                decodes = group.decodes or group.colocated
-
-    def _place_colocated(self, flow: Flow, decodes: list[Instance]) -> Choice:
-        assert flow.query is not None
-        choice = self.policy.choose(flow.query, [], decodes)
-        if choice is None:
-            raise StatusError(grpc.StatusCode.UNAVAILABLE, self._no_capacity())
-        return choice
-
     def _count_placement(self, flow: Flow) -> None:
         assert flow.choice is not None and flow.query is not None
         p, d = flow.choice.prefill, flow.choice.decode
@@ -371,10 +243,6 @@ class Router:
         metrics.PROMPT_BLOCKS.inc(flow.query.num_blocks)
         metrics.PREFIX_HIT_BLOCKS.inc(flow.choice.cached_blocks)
 
-    def _no_capacity(self) -> str:
-        states = ", ".join(f"{i.instance_id}({'up' if i.is_healthy else 'down'})"
-                           for i in self.pool.instances.values()) or "none known"
-        return f"no capacity: no healthy prefill+decode pair or colocated engine ({states})"
 
     def _abort(self, flow: Flow) -> None:
         """Best effort: tell every engine the request touched to drop it (fire and forget)."""

@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from pdserve.errors import StatusError
 from pdserve.proto.v1 import common_pb2
 from services.router import metrics
-from services.router.flow import Flow, Interrupted, Resume, run_prefill
+from services.router.flow import Flow, Interrupted, Resume
 from services.router.instances import Instance, InstancePool
+from services.router.phases import run_prefill
 from services.router.policy import RoutingPolicy
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,130 @@
+"""The sending half of shipping: announce a push, answer a peer's pull, send the messages
+over UCX and release the pins (the life cycle is in ``shipping``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Sequence
+
+import grpc
+
+from pdserve.errors import StatusError
+from pdserve.proto.v1 import common_pb2, kvd_pb2
+from pdserve.telemetry import outbound_metadata
+from services.kvd import metrics
+from services.kvd.link import RPC_TIMEOUT_S, Link
+from services.kvd.pool import PinRecord
+from services.kvd.transfer import Message, TransportError
+from services.kvd.wirecodec import WireCodec
+
+log = logging.getLogger(__name__)
+
+_PUSH = kvd_pb2.TransferRequest.DIRECTION_PUSH
+
+
+class Sender:
+    """Push and serve-pull of one kvd's blocks."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.pool = link.pool
+        self.slot_bytes = link.slot_bytes
+        self.counters = link.counters
+        self._transport = link.transport
+        self._peers = link.peers
+        self._me = link.me
+        self._timeout = link.timeout
+        self._spawn = link.spawn
+        self._accept = link.accept
+        self._agreed = link.agreed
+        self._release = link.release
+        self._offer = link.offer
+        self.kv_dtype = link.kv_dtype
+
+    def _pin_for_transfer(self, slot: int) -> PinRecord:
+        h = self.pool.slots[slot].hash
+        pin = self.pool.pin_present(h, "kvd:transfer", 2 * self._timeout + RPC_TIMEOUT_S)
+        assert pin is not None
+        return pin
+
+    async def push(self, dest: common_pb2.KvdEndpoint, slots: Sequence[int]) -> int | None:
+        """Announce ``slots``' blocks to ``dest`` and start sending; None if unreachable."""
+        pins = [self._pin_for_transfer(s) for s in slots]
+        refs = [common_pb2.BlockRef(hash=self.pool.slots[s].hash,
+                                    checksum=self.pool.slots[s].checksum) for s in slots]
+        tid = secrets.randbits(64)
+        req = kvd_pb2.TransferRequest(direction=_PUSH, peer=self._me, blocks=refs,
+                                      ucx_address=self._transport.address, transfer_id=tid,
+                                      slots=list(slots), slot_bytes=self.slot_bytes,
+                                      kv_dtype=self.kv_dtype, codec=self._offer)
+        try:
+            resp = await self._peers.stub(dest.address).Transfer(
+                req, timeout=RPC_TIMEOUT_S, metadata=outbound_metadata(self._peers.metadata))
+        except grpc.RpcError as exc:
+            log.warning("push announce failed", extra={"fields": {"dest": dest.address,
+                                                                  "error": str(exc)}})
+            self.counters.num_errors += 1
+            self._release(pins)
+            return None
+        sent = [p for p, ok in zip(pins, resp.accepted, strict=False) if ok]
+        self._release([p for p, ok in zip(pins, resp.accepted, strict=False) if not ok])
+        if sent:
+            messages = self._transport.plan([p.slot for p in sent], list(resp.slots))
+            self._spawn(self._send(dest, resp.ucx_address, tid, messages, sent,
+                                   self._agreed(resp.codec)))
+        return len(sent)
+
+    def serve_pull(self, req: kvd_pb2.TransferRequest) -> kvd_pb2.TransferResponse:
+        """A peer asks for blocks it lacks: pin those present here and start sending them."""
+        accepted, pins, checksums = [], [], []
+        for ref in req.blocks:
+            slot = self.pool.by_hash.get(ref.hash)
+            accepted.append(slot is not None)
+            checksums.append(0 if slot is None else self.pool.slots[slot].checksum)
+            if slot is not None:
+                pins.append(self._pin_for_transfer(slot))
+        dst = [s for s, ok in zip(req.slots, accepted, strict=True) if ok]
+        codec = self._accept(req.codec)
+        if pins:
+            messages = self._transport.plan([p.slot for p in pins], dst)
+            self._spawn(self._send(req.peer, req.ucx_address, req.transfer_id, messages, pins,
+                                   self._agreed(codec)))
+        return kvd_pb2.TransferResponse(accepted=accepted, ucx_address=self._transport.address,
+                                        slots=[p.slot for p in pins], checksums=checksums,
+                                        codec=codec)
+
+    async def _send(self, dest: common_pb2.KvdEndpoint, address: bytes, tid: int,
+                    messages: list[Message], pins: list[PinRecord],
+                    codec: WireCodec | None = None) -> None:
+        try:
+            with metrics.transfer(self._me.node_id, "out", dest.node_id, len(pins),
+                                  len(pins) * self.slot_bytes):
+                ep = await self._transport.endpoint(dest.node_id, address)
+                send = asyncio.ensure_future(self._transport.send(ep, tid, messages, codec))
+                await self._watch(send, dest)
+            self.counters.bytes_out += len(pins) * self.slot_bytes
+            self.counters.num_transfers += 1
+        except (StatusError, TransportError) as exc:
+            log.warning("send failed", extra={"fields": {"dest": dest.node_id, "error": str(exc)}})
+            self.counters.num_errors += 1
+            self._transport.drop(dest.node_id)
+        finally:
+            self._release(pins)
+
+    async def _watch(self, task: asyncio.Future[None], peer: common_pb2.KvdEndpoint) -> None:
+        """Wait for ``task``; fail if the peer goes down or it outlives the transfer timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        while not task.done():
+            await asyncio.wait([task], timeout=0.25)
+            if task.done():
+                break
+            if self._peers.is_down(peer.address) or loop.time() > deadline:
+                task.cancel()
+                self._transport.drop(peer.node_id)
+                raise StatusError(grpc.StatusCode.UNAVAILABLE,
+                                  f"peer {peer.node_id} lost or stalled mid-transfer")
+        task.result()
+
