@@ -68,7 +68,7 @@ def test_a_restart_whose_port_was_taken_moves_and_its_dependants_follow() -> Non
             squatter.listen()
             kvd.start(kvd.env)
             stack._await_restart(kvd)  # reports it did not become ready
-            assert kvd.popen is not None and kvd.popen.poll() is not None
+            assert kvd.popen is not None and kvd.popen.wait(timeout=10) != 0
             assert stack._rebind_failed(kvd)
             assert _flag(kvd, "--port") == "0"
             kvd.start(kvd.env)
