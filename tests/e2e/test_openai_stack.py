@@ -30,8 +30,10 @@ MAX_TOKENS = 12
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
     keys: Path = tmp_path_factory.mktemp("keys") / "keys"
     keys.write_text(f"{KEY},team-a\n")
+    # --max-wait 3: with the only decode dead (and not restarted), a request is held that long
+    # for it to come back before its 503 (the default, 30 s, is for a supervisor's restart).
     up = UpStack(["--model", "tiny", "--prefill", "1", "--decode", "1", "--keys-file", str(keys),
-                  "--no-restart"]).start()
+                  "--no-restart", "--router-arg=--max-wait=3"]).start()
     yield up
     up.stop()
 
@@ -140,6 +142,7 @@ def test_dead_decode_fails_fast_then_recovers_without_router_restart(
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0)
     assert err.value.status_code == 503
+    assert "none came back within" in str(err.value)  # held --max-wait for it, then refused
     assert time.monotonic() - start < 10
     # Restart the same instance on the same address (the port it bound, now given); the
     # router must find it by itself.
