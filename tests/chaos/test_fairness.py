@@ -13,9 +13,10 @@ The bound. Both tenants have the same priority, so tenants take turns: A queued 
 burst is admitted A, B, A, B, ... until B's 16 are gone, then A's remaining 32. B's requests
 take admission ranks 2, 4, ..., 32 (median 17) of the 64; with two running at a time a
 request may finish just before its neighbour admitted one step earlier, so completion ranks
-can differ from admission ranks by about one. FIFO would put B behind all 48 of A (ranks
-49..64, median 56.5), and even arrival in random order would give about 32.5. So B's median
-completion rank must be <= 20: round robin with one rank of slack, far from either.
+drift from admission ranks by one or two (measured: median 18, last 33). FIFO would put B
+behind all 48 of A (ranks 49..64, median 56.5), and even arrival in random order would give
+about 32.5. So B's median completion rank must be <= 24: below the midpoint between round
+robin (17) and random order (32.5), and far from FIFO.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from tests.e2e.stack import UpStack
 
 KEYS = {"A": "sk-tenant-a", "B": "sk-tenant-b", "C": "sk-tenant-c"}
 SENDS = ["A"] * 48 + ["B"] * 16  # A's whole burst reaches the router before B's: FIFO's worst
-MAX_B_MEDIAN_RANK = 20
+MAX_B_MEDIAN_RANK = 24
 # 27-41 s on the two shared cores, over half of it starting its own stack: `make chaos`.
 pytestmark = pytest.mark.slow
 
