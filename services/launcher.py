@@ -5,10 +5,14 @@
     engine-i (colocated, no kvd)                        [--colocated]
     router -> gateway (HTTP)
 
-Ports are picked up front, so a service that dies is restarted on the same address and the
-router finds it again without a restart of its own; a port taken between being picked and being
-bound (another process got it first) is replaced by a fresh one and the service started again,
-its dependents' flags rewritten (a bind retry: services do not choose their own ports here).
+Every service binds its own port: it is started with ``--port 0`` (and ``--metrics-port 0``),
+and its ready line (``pdserve <name> listening on <host>:<port> (metrics on ...)``) says what it
+got, so start-up never races another process for a port picked in advance. Services start in
+dependency order (kvd -> its engine -> router -> gateway) and each one's real address is written
+into the flags of those started after it. A service that dies is restarted on the port it had,
+so its dependants find it again without a restart of their own; only if that port was taken
+meanwhile is it started on port 0 again, its dependants' flags rewritten and those running
+restarted. A gateway ``--port`` given by the user stays fixed (a taken one is an error).
 Redis is supervised like the services. Ctrl-C (or SIGTERM) stops everything, in reverse order.
 
 Every child runs in its own process group and dies with this supervisor (PR_SET_PDEATHSIG); a
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -38,9 +41,10 @@ from pdserve.tool_calls import PARSERS
 from services.devices import engine_flags, parse_cpus, parse_devices, place
 from services.router.config import CONTROLLER_MODES, RouterConfig
 from services.router.policy import POLICIES
+from services.up_banner import banner
 
 ROOT = Path(__file__).resolve().parents[1]
-_BIND_ATTEMPTS = 3  # a port taken between being picked and being bound: try fresh ones
+_BIND_ATTEMPTS = 3  # Redis's port is picked here: one taken first is replaced
 
 
 def _module(name: str) -> list[str]:
@@ -183,8 +187,7 @@ class Stack:
         self.pidfile.write(e for e in entries if e is not None)
 
     def _add(self, name: str, module: str, flags: list[str], cpus: set[int] | None = None,
-             port: int | None = None) -> Proc:
-        port = free_port(self.ns.host) if port is None else port
+             port: int = 0) -> Proc:
         args = [*_module(module), "--host", self.ns.host, "--port", str(port), *flags]
         if module != "gateway":  # its /metrics is on its HTTP port; the others: a free one
             args += ["--metrics-port", "0"]
@@ -193,6 +196,11 @@ class Stack:
                     verbose=self.ns.verbose or env.up_verbose(), cwd=ROOT)
         self.procs.append(proc)
         return proc
+
+    def address(self, proc: Proc) -> str:
+        """Where ``proc`` listens; before it has said so, a placeholder its ready line
+        replaces in every other command line."""
+        return f"{self.ns.host}:{proc.port}" if proc.port else f"<{proc.name}>"
 
     def plan(self) -> None:
         ns = self.ns
@@ -216,14 +224,14 @@ class Stack:
                     kvd = self._add(f"kvd-{role[0]}{i}", "kvd",
                                     ["--node-id", f"node-{role[0]}{i}",
                                      "--capacity-mib", str(ns.kvd_capacity_mib)])
-                    kvd_flags = ["--kvd", f"{ns.host}:{kvd.port}"]
+                    kvd_flags = ["--kvd", self.address(kvd)]
                 engine_role = Role.COLOCATED if ns.colocated else \
                     Role.FLEX if ns.controller != "off" else role
                 eng = self._add(f"{role}-{i}", role,
                                 ["--model", ns.model, "--role", engine_role,
                                  "--instance-id", f"{role[0]}{i}", *kvd_flags, *threads,
                                  *next(placement), *ns.engine_arg], cpu)
-                engines[role].append(f"{ns.host}:{eng.port}")
+                engines[role].append(self.address(eng))
         names = ["--served-model-name", ",".join(ns.served_model_name)] \
             if ns.served_model_name else []
         router = self._add("router", "router",
@@ -232,12 +240,15 @@ class Stack:
                             "--prefill", ",".join(engines[Role.PREFILL]),
                             "--decode", ",".join(engines[Role.DECODE]),
                             *self._controller_flags(), *ns.router_arg])
-        self.router_address = f"{ns.host}:{router.port}"
-        http_port = ns.port or free_port(ns.host)
-        gw_flags = ["--router", self.router_address, "--grpc-port", "0"]
+        self.router = router
+        gw_flags = ["--router", self.address(router), "--grpc-port", "0"]
         if ns.keys_file:
             gw_flags += ["--keys-file", ns.keys_file]
-        self.gateway = self._add("gateway", "gateway", gw_flags, port=http_port)
+        self.gateway = self._add("gateway", "gateway", gw_flags, port=ns.port)
+
+    @property
+    def router_address(self) -> str:
+        return self.address(self.router)
 
     def _controller_flags(self) -> list[str]:
         ns = self.ns
@@ -257,31 +268,36 @@ class Stack:
             print(f"  {proc.name:12s} {self.ns.host}:{proc.port}", flush=True)
 
     def _start_one(self, proc: Proc) -> None:
-        """Start ``proc`` and wait for its ready line; if its port was taken meanwhile, a
-        fresh one (and the flags of whoever names it rewritten)."""
-        for attempt in range(_BIND_ATTEMPTS):
-            proc.start(proc.env)
-            self._write_pidfile()
-            try:
-                proc.wait_ready(self.ns.ready_timeout)
-                return
-            except RuntimeError:
-                fixed = proc is self.gateway and self.ns.port
-                if not proc.failed_to_bind or fixed or attempt == _BIND_ATTEMPTS - 1:
-                    raise
-            self._move(proc, free_port(self.ns.host))
+        """Start ``proc`` and wait for its ready line, which names the port it bound."""
+        proc.start(proc.env)
+        self._write_pidfile()
+        self._bound(proc, proc.wait_ready(self.ns.ready_timeout))
 
-    def _move(self, proc: Proc, port: int) -> None:
-        old, new = f"{self.ns.host}:{proc.port}", f"{self.ns.host}:{port}"
-        print(f"pdserve up: {proc.name}: port {proc.port} was taken; trying {port}",
-              file=sys.stderr, flush=True)
-        proc.args[proc.args.index("--port") + 1] = str(port)
+    def _bound(self, proc: Proc, port: int) -> list[Proc]:
+        """``proc`` listens on ``port``: its own ``--port`` keeps it (a restart rebinds it), and
+        every other command line naming its previous address (or placeholder) names this one.
+        Returns the services whose flags changed."""
+        old = self.address(proc)
         proc.port = port
+        proc.args[proc.args.index("--port") + 1] = str(port)
+        new = self.address(proc)
+        changed = []
         for other in self.procs:
-            other.args = [",".join(new if a == old else a for a in arg.split(","))
-                          for arg in other.args]
-        if self.router_address == old:
-            self.router_address = new
+            args = [",".join(new if a == old else a for a in arg.split(",")) for arg in other.args]
+            if other is not proc and args != other.args:
+                other.args = args
+                changed.append(other)
+        return changed
+
+    def _rebind_failed(self, proc: Proc) -> bool:
+        """A restart found its old port taken: the next one binds port 0 (unless it is the
+        gateway's fixed ``--port``)."""
+        if proc is self.gateway and self.ns.port or not proc.failed_to_bind:
+            return False
+        print(f"pdserve up: {proc.name}: port {proc.port} was taken meanwhile; it will bind a "
+              "free one and its dependants follow", file=sys.stderr, flush=True)
+        proc.args[proc.args.index("--port") + 1] = "0"
+        return True
 
     def supervise(self) -> None:
         """Report (and unless --no-restart, restart) services that die, until stopped. Each
@@ -297,6 +313,7 @@ class Stack:
                     continue
                 if proc.name not in due:
                     self._report_exit(proc)
+                    self._rebind_failed(proc)
                     if self.ns.no_restart:
                         proc.popen = None
                         continue
@@ -318,11 +335,19 @@ class Stack:
 
     def _await_restart(self, proc: Proc) -> None:
         try:
-            proc.wait_ready(self.ns.ready_timeout)
-            print(f"pdserve up: {proc.name} restarted on {self.ns.host}:{proc.port}",
-                  file=sys.stderr, flush=True)
+            port = proc.wait_ready(self.ns.ready_timeout)
         except RuntimeError as exc:
             print(f"pdserve up: {exc}", file=sys.stderr, flush=True)
+            return
+        print(f"pdserve up: {proc.name} restarted on {self.ns.host}:{port}",
+              file=sys.stderr, flush=True)
+        if port == proc.port:
+            return
+        for dependant in self._bound(proc, port):  # restarted by supervise() with new flags
+            if dependant.popen is not None and dependant.popen.poll() is None:
+                print(f"pdserve up: restarting {dependant.name}: {proc.name} moved",
+                      file=sys.stderr, flush=True)
+                dependant.popen.send_signal(signal.SIGTERM)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -333,58 +358,6 @@ class Stack:
             self.redis.wait(timeout=10)
         self.secrets.remove()
         self.pidfile.remove()
-
-
-def write_prometheus_config(path: str, stack: Stack) -> None:
-    """A scrape config with one job per service kind, labelled with each instance's name."""
-    jobs: dict[str, list[tuple[str, str]]] = {}
-    for proc in stack.procs:
-        if proc.metrics:
-            jobs.setdefault(proc.name.split("-")[0], []).append((proc.name, proc.metrics))
-    lines = ["# pdserve up: every service's /metrics (Prometheus scrape config)",
-             "scrape_configs:"]
-    for job, targets in sorted(jobs.items()):
-        lines += [f"  - job_name: pdserve-{job}", "    static_configs:"]
-        lines += [f"      - targets: ['{t}']\n        labels: {{pdserve_name: {n}}}"
-                  for n, t in targets]
-    if not stack.ns.keys_file:  # with API keys, the gateway's /metrics needs one
-        lines += ["  - job_name: pdserve-gateway", "    static_configs:",
-                  f"      - targets: ['{stack.ns.host}:{stack.gateway.port}']"]
-    Path(path).write_text("\n".join(lines) + "\n")
-
-
-def _without_password(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else url
-
-
-def _banner(stack: Stack) -> None:
-    ns = stack.ns
-    model = ns.served_model_name[0] if ns.served_model_name else ns.model
-    base = f"http://{ns.host}:{stack.gateway.port}/v1"
-    auth = "" if ns.keys_file else "(no API keys: loopback only, without auth)"
-    print(f"pdserve router: {stack.router_address}")
-    print(f"pdserve redis: {_without_password(stack.redis_url) or 'none'}")
-    print(f"pdserve secrets: {stack.secrets.directory}")
-    print(f"pdserve logs: {stack.log_dir}")
-    print("pdserve metrics: " + " ".join(f"{p.name}={p.metrics}" for p in stack.procs
-                                          if p.metrics)
-          + f" gateway={ns.host}:{stack.gateway.port}/metrics")
-    if ns.prometheus_config:
-        write_prometheus_config(ns.prometheus_config, stack)
-        print(f"pdserve prometheus config: {ns.prometheus_config}")
-    python = shlex.quote(sys.executable)  # the one with pdserve (and openai) installed
-    print(f"""
-Try it {auth}:
-  curl {base}/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}'
-  {python} -c "from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='none'); \\
-print(c.completions.create(model='{model}', prompt='Hello', max_tokens=16).choices[0].text)"
-  {env.CLIENT_SECRET_VAR}_FILE={stack.secrets.directory / env.CLIENT_SECRET_VAR} \\
-  {python} -c "from pdserve.client import Client; \\
-print(Client('{stack.router_address}').generate('Hello', max_tokens=16).collect().text)"
-""")
-    print(f"pdserve ready: {base}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdserve up: error: {exc}", file=sys.stderr)
         stack.stop()
         return 1
-    _banner(stack)
+    banner(stack)
     try:
         stack.supervise()
     finally:

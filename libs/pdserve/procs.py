@@ -106,6 +106,7 @@ class Proc:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
+        self.log_tail = []  # this life's lines only (a restart's bind failure is judged on them)
         # Its own process group: a terminal's Ctrl-C reaches the supervisor only (which stops
         # the children in order), and a stale child is killed with whatever it started.
         self.popen = subprocess.Popen(self.args, cwd=self.cwd, env=env, stdout=subprocess.PIPE,
@@ -124,7 +125,9 @@ class Proc:
                 if self.verbose:
                     sys.stderr.write(f"[{self.name}] {line}")
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float) -> int:
+        """Wait for the ready line; return the port it names (the one the child bound, which
+        ``--port 0`` left to it). Its metrics address, if any, goes in ``metrics``."""
         assert self.popen is not None and self.popen.stdout is not None
         deadline = time.monotonic() + timeout
         result: list[str] = []
@@ -141,6 +144,7 @@ class Proc:
                                f"{self.popen.poll()}); its last log lines:\n  {tail}")
         self.metrics = ready.group(4) or ""
         threading.Thread(target=self._drain_stdout, daemon=True).start()
+        return int(ready.group(3))
 
     def _drain_stdout(self) -> None:
         assert self.popen is not None and self.popen.stdout is not None
@@ -149,7 +153,8 @@ class Proc:
 
     @property
     def failed_to_bind(self) -> bool:
-        """Exited because its port was taken (between being picked and being bound)."""
+        """Exited because its port was taken (a fixed one, or the one it had before a
+        restart)."""
         if self.popen is None:
             return False
         try:

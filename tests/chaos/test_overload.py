@@ -159,8 +159,7 @@ def test_the_grpc_deadline_is_honoured_end_to_end(stack: UpStack) -> None:
 
 
 def test_a_stalled_stream_sends_keep_alives(stack: UpStack) -> None:
-    decode_port = int(stack.addresses["decode-0"].rsplit(":", 1)[1])
-    pid = stack.pid_listening("decode", decode_port)
+    pid = stack.children()["decode-0"]
     lines: list[str] = []
     stopped, frozen_at = False, 0
     try:

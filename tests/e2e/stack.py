@@ -3,6 +3,7 @@ find its children, stop it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from pdserve import auth
+from pdserve import auth, stackfile
 
 ROOT = Path(__file__).resolve().parents[2]
 _PROC_LINE = re.compile(r"^  (\S+)\s+([\d.]+):(\d+)$")
@@ -103,22 +104,14 @@ class UpStack:
         return grpc.intercept_channel(grpc.insecure_channel(address),
                                       _Present(self.metadata(*creds)))
 
-    def pid_listening(self, service: str, port: int) -> int:
-        """The pid of ``services.<service>`` started with ``--port <port>`` (or redis-server)."""
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            text = [a.decode(errors="replace") for a in argv]
-            if service == "redis":  # redis-server rewrites its title to "redis-server host:port"
-                if any("redis-server" in a and a.endswith(f":{port}") for a in text):
-                    return int(entry.name)
-            elif any(f"services.{service}" in a for a in text) and str(port) in text:
-                return int(entry.name)
-        raise LookupError(f"no {service} process on port {port}")
+    def children(self) -> dict[str, int]:
+        """name -> pid of the supervisor's live children (redis included), from its pidfile
+        (``pdserve.stackfile``): ports are bound by the services, not in their command line."""
+        assert self.proc is not None
+        path = stackfile.run_dir() / f"{self.proc.pid}.json"
+        data = json.loads(path.read_text())
+        return {c["name"]: c["pid"] for c in data["children"]
+                if stackfile.Entry(**c).is_alive()}
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import httpx
@@ -57,7 +58,8 @@ def stack(receiver: tuple[Receiver, str], tmp_path_factory: pytest.TempPathFacto
           ) -> Iterator[UpStack]:
     logs = tmp_path_factory.mktemp("logs")
     up = UpStack(["--model", "tiny", "--prefill", "1", "--decode", "1", "--no-restart",
-                  "--otel-endpoint", receiver[1], "--log-dir", str(logs)],
+                  "--otel-endpoint", receiver[1], "--log-dir", str(logs),
+                  "--prometheus-config", str(logs / "prometheus.yml")],
                  env={"OTEL_BSP_SCHEDULE_DELAY": "200", "PDSERVE_UP_VERBOSE": "1"}).start()
     yield up
     up.stop()
@@ -144,6 +146,17 @@ def test_every_documented_metric_is_served_by_its_service(stack: UpStack) -> Non
               if line.startswith("pdserve_engine_requests_total{")]
     assert series and all('instance="d0"' in s and 'role="decode"' in s and 'model="tiny"' in s
                           for s in series)
+
+
+def test_the_prometheus_config_names_the_ports_the_services_bound(stack: UpStack) -> None:
+    """Every service bound its own (free) ports; the scrape config names what each printed,
+    and every target serves /metrics."""
+    config = (Path(stack.log_dir) / "prometheus.yml").read_text()
+    targets = re.findall(r"targets: \['([^']+)'\]", config)
+    printed = [address.removesuffix("/metrics") for address in stack.metrics.values()]
+    assert sorted(targets) == sorted(printed) and len(targets) == 6, config  # gateway's: HTTP
+    for target in targets:
+        assert "# TYPE" in httpx.get(f"http://{target}/metrics", timeout=10).text
 
 
 def test_cancelled_streams_log_no_context_error(stack: UpStack) -> None:

@@ -30,8 +30,10 @@ MAX_TOKENS = 12
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
     keys: Path = tmp_path_factory.mktemp("keys") / "keys"
     keys.write_text(f"{KEY},team-a\n")
+    # --max-wait 3: with the only decode dead (and not restarted), a request is held that long
+    # for it to come back before its 503 (the default, 30 s, is for a supervisor's restart).
     up = UpStack(["--model", "tiny", "--prefill", "1", "--decode", "1", "--keys-file", str(keys),
-                  "--no-restart"]).start()
+                  "--no-restart", "--router-arg=--max-wait=3"]).start()
     yield up
     up.stop()
 
@@ -120,8 +122,7 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
 
 def test_requests_survive_redis_going_away(stack: UpStack, client: openai.OpenAI,
                                            llm: LLM) -> None:
-    port = int(stack.redis_url.rsplit(":", 1)[1].split("/")[0])
-    os.kill(stack.pid_listening("redis", port), signal.SIGKILL)
+    os.kill(stack.children()["redis"], signal.SIGKILL)
     text, _, _ = _greedy(llm, PROMPTS[1])
     for _ in range(3):
         resp = client.completions.create(model="tiny", prompt=PROMPTS[1],
@@ -131,18 +132,20 @@ def test_requests_survive_redis_going_away(stack: UpStack, client: openai.OpenAI
 
 def test_dead_decode_fails_fast_then_recovers_without_router_restart(
         stack: UpStack, client: openai.OpenAI) -> None:
-    port = int(stack.addresses["decode-0"].rsplit(":", 1)[1])
-    pid = stack.pid_listening("decode", port)
+    pid, router_pid = stack.children()["decode-0"], stack.children()["router"]
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
-    router_pid = stack.pid_listening("router", int(stack.router.rsplit(":", 1)[1]))
+    assert argv[argv.index("--port") + 1] == "0"  # it bound its own port, which it printed
+    argv[argv.index("--port") + 1] = stack.addresses["decode-0"].rsplit(":", 1)[1]
     os.kill(pid, signal.SIGKILL)
     time.sleep(0.5)
     start = time.monotonic()
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0)
     assert err.value.status_code == 503
+    assert "none came back within" in str(err.value)  # held --max-wait for it, then refused
     assert time.monotonic() - start < 10
-    # Restart the same instance on the same address; the router must find it by itself.
+    # Restart the same instance on the same address (the port it bound, now given); the
+    # router must find it by itself.
     # Its environment as pdserve up gave it: the stack's credentials and Redis.
     restarted = subprocess.Popen(argv, cwd=ROOT, env=stack.role_env(), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
@@ -153,7 +156,7 @@ def test_dead_decode_fails_fast_then_recovers_without_router_restart(
         resp = wait_until(lambda: client.completions.create(
             model="tiny", prompt="hi", max_tokens=4, temperature=0), timeout=30, interval=0.5)
         assert resp.choices[0].text is not None and resp.usage.completion_tokens >= 1
-        assert stack.pid_listening("router", int(stack.router.rsplit(":", 1)[1])) == router_pid
+        assert stack.children()["router"] == router_pid
     finally:
         restarted.send_signal(signal.SIGTERM)
         restarted.wait(timeout=15)
