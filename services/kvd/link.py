@@ -77,3 +77,23 @@ class Link:
     def release(self, pins: list[PinRecord]) -> None:
         for p in pins:
             self.pool.release(p.pin_id)
+
+
+class Half:
+    """The sending or the receiving half of a kvd's transfers: the shared ``Link`` and the
+    parts of it both halves use, under short names."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.pool = link.pool
+        self.slot_bytes = link.slot_bytes
+        self.counters = link.counters
+        self._transport = link.transport
+        self._peers = link.peers
+        self._me = link.me
+        self._timeout = link.timeout
+        self._spawn = link.spawn
+        self._accept = link.accept
+        self._agreed = link.agreed
+        self._offer = link.offer
+        self.kv_dtype = link.kv_dtype

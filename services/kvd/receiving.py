@@ -18,7 +18,7 @@ from pdserve.hashing import block_checksum
 from pdserve.proto.v1 import common_pb2, kvd_pb2
 from pdserve.telemetry import outbound_metadata
 from services.kvd import metrics
-from services.kvd.link import RPC_TIMEOUT_S, Link
+from services.kvd.link import RPC_TIMEOUT_S, Half, Link
 from services.kvd.transfer import Message, TransportError
 
 log = logging.getLogger(__name__)
@@ -43,24 +43,12 @@ class Inbound:
     peer_ucx: bytes = b""  # the peer's UCX worker address: another one registered = restarted
 
 
-class Receiver:
+class Receiver(Half):
     """Inbound transfers of one kvd: ``inbound`` maps each hash in flight here to its future."""
 
     def __init__(self, link: Link) -> None:
-        self.link = link
-        self.pool = link.pool
-        self.slot_bytes = link.slot_bytes
-        self.counters = link.counters
-        self._transport = link.transport
-        self._peers = link.peers
-        self._me = link.me
-        self._timeout = link.timeout
-        self._spawn = link.spawn
-        self._accept = link.accept
-        self._agreed = link.agreed
+        super().__init__(link)
         self._sync = link.sync
-        self._offer = link.offer
-        self.kv_dtype = link.kv_dtype
         self.slot_view = link.slot_view
         self.inbound: dict[bytes, asyncio.Future[None]] = {}
 

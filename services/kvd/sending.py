@@ -14,7 +14,7 @@ from pdserve.errors import StatusError
 from pdserve.proto.v1 import common_pb2, kvd_pb2
 from pdserve.telemetry import outbound_metadata
 from services.kvd import metrics
-from services.kvd.link import RPC_TIMEOUT_S, Link
+from services.kvd.link import RPC_TIMEOUT_S, Half, Link
 from services.kvd.pool import PinRecord
 from services.kvd.transfer import Message, TransportError
 from services.kvd.wirecodec import WireCodec
@@ -24,24 +24,12 @@ log = logging.getLogger(__name__)
 _PUSH = kvd_pb2.TransferRequest.DIRECTION_PUSH
 
 
-class Sender:
+class Sender(Half):
     """Push and serve-pull of one kvd's blocks."""
 
     def __init__(self, link: Link) -> None:
-        self.link = link
-        self.pool = link.pool
-        self.slot_bytes = link.slot_bytes
-        self.counters = link.counters
-        self._transport = link.transport
-        self._peers = link.peers
-        self._me = link.me
-        self._timeout = link.timeout
-        self._spawn = link.spawn
-        self._accept = link.accept
-        self._agreed = link.agreed
+        super().__init__(link)
         self._release = link.release
-        self._offer = link.offer
-        self.kv_dtype = link.kv_dtype
 
     def _pin_for_transfer(self, slot: int) -> PinRecord:
         h = self.pool.slots[slot].hash
