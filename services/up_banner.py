@@ -4,15 +4,29 @@ config for every service's /metrics."""
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pdserve import env
+from pdserve.procs import Proc
+from pdserve.stack_secrets import StackSecrets
 
-if TYPE_CHECKING:
-    from services.launcher import Stack
+
+class Stack(Protocol):
+    """What the banner reads of ``services.launcher.Stack`` (which imports this module)."""
+
+    ns: argparse.Namespace
+    procs: list[Proc]
+    gateway: Proc
+    redis_url: str
+    secrets: StackSecrets
+    log_dir: Path
+
+    @property
+    def router_address(self) -> str: ...
 
 
 def write_prometheus_config(path: str, stack: Stack) -> None:
