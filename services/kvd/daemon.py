@@ -75,8 +75,7 @@ class Kvd:
         await self.sync.stop()
         await self.peers.close()
         if self._shm is not None:
-            self._shm.close()
-            self._shm.unlink()
+            segments.remove(self._shm)
             self._shm = None
 
     async def _expire_leases(self) -> None:
@@ -141,9 +140,9 @@ class Kvd:
                               f"layout: one block ({slot_bytes} bytes) exceeds --capacity-mib "
                               f"{self.config.capacity_mib}")
         segments.unlink_stale()  # what a killed kvd of this host left behind
-        self._shm = shared_memory.SharedMemory(
-            segments.segment_name(self.me.node_id, os.getpid(), self.epoch), create=True,
-            size=L.segment_bytes(slot_bytes, num_slots))
+        self._shm = segments.create(
+            segments.segment_name(self.me.node_id, os.getpid(), self.epoch),
+            L.segment_bytes(slot_bytes, num_slots))
         assert self._shm.buf is not None
         L.write_header(self._shm.buf, slot_bytes, num_slots, self.epoch)
         arr = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)

@@ -9,6 +9,10 @@ kvd that created it::
 and a starting kvd unlinks exactly those whose creator is no longer alive. Segments of live
 kvds are never touched, whatever their node id: several stacks on one host (tests run many)
 may use the same node ids.
+
+The pool is kept out of Python's resource tracker: the tracker outlives a SIGKILLed kvd and
+unlinks its segments some moments later, racing the sweep above; one owner (the kvd, or the
+next kvd's sweep) is simpler to reason about and to test.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -28,6 +33,22 @@ _NAME = re.compile(rf"^{PREFIX}.*-(\d+)-(\d+)$")
 def segment_name(node_id: str, pid: int, epoch: int) -> str:
     safe = "".join(c if c.isalnum() else "-" for c in node_id)[:40]
     return f"{PREFIX}{safe}-{pid}-{epoch}"
+
+
+def create(name: str, size: int) -> shared_memory.SharedMemory:
+    """A new segment that only ``remove`` (or a later kvd's ``unlink_stale``) unlinks."""
+    shm = shared_memory.SharedMemory(name, create=True, size=size)
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
+
+
+def remove(shm: shared_memory.SharedMemory, shm_dir: Path = SHM_DIR) -> None:
+    """Close and unlink a segment made by ``create`` (untracked, so not ``shm.unlink()``)."""
+    try:
+        (shm_dir / shm.name).unlink()
+    except FileNotFoundError:
+        pass
+    shm.close()
 
 
 def owner_pid(name: str) -> int | None:
