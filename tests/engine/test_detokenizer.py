@@ -133,25 +133,28 @@ def test_a_stop_string_that_begins_in_the_first_token_stops_the_decode() -> None
 
 
 def test_cost_per_token_is_flat_in_the_output_length() -> None:
-    """Linear, not quadratic: 4,000 tokens cost per token what 100 cost (within noise)."""
+    """Linear, not quadratic: 4,000 tokens cost per token what 100 cost (within noise).
+
+    A quadratic detokenizer pays 40x per token at 4,000 against 100, so 8x still separates the
+    two; the thread's CPU time (not wall time) keeps a loaded machine's descheduling out."""
     tok = real()
     words = tok.encode(" the quick brown fox jumps over the lazy dog" * 500,
                        add_special_tokens=False)
 
     def per_token(n: int) -> float:
         best = float("inf")
-        for _ in range(3):
+        for _ in range(5):
             detok = Detokenizer(tok, stop=("never appears",))
-            start = time.perf_counter()
+            start = time.thread_time()
             for t in words[:n]:
                 detok.append(t)
                 detok.take()
             detok.finish()
-            best = min(best, (time.perf_counter() - start) / n)
+            best = min(best, (time.thread_time() - start) / n)
         return best
 
     short, long = per_token(100), per_token(4000)
-    assert long < 3 * short, (short, long)
+    assert long < 8 * short, (short, long)
 
 
 @pytest.mark.parametrize("name", sorted(TOKENIZERS))
