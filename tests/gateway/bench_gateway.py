@@ -47,7 +47,7 @@ async def main():
     while True:
         await asyncio.sleep(1)
         router.requests.clear()
-        router.metadata.clear()
+        router.trace_ids.clear()
 
 asyncio.run(main())
 """
