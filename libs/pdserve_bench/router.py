@@ -34,15 +34,17 @@ from pdserve_bench.router_paths import Paths, Send, in_turns, summary, under_loa
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"listening on ([\w.\[\]:-]+):(\d+)")
-# The gateway rows: name -> (how it reaches the router, --http, --loop). The first is the
-# gateway as it ran before issue 16 (pure-Python h11 on asyncio's loop, a gRPC hop).
+# The gateway rows: name -> (how it reaches the router, HTTP server, event loop). The first is
+# the gateway as it ran before issue 16 (uvicorn's pure-Python h11 on asyncio's loop, a gRPC
+# hop); granian (Rust HTTP) serves the same ASGI app (``router_servers granian``).
 GATEWAYS = {
     "gateway+router (h11, asyncio)": ("grpc", "h11", "asyncio"),
     "gateway+router (httptools, uvloop)": ("grpc", "httptools", "uvloop"),
     "gateway, embedded router (h11, asyncio)": ("embedded", "h11", "asyncio"),
     "gateway, embedded router (httptools, uvloop)": ("embedded", "httptools", "uvloop"),
+    "gateway, embedded router (granian, asyncio)": ("embedded", "granian", "asyncio"),
 }
-FAST = ("httptools", "uvloop")  # the fast extra's modules
+OPTIONAL = {"httptools": "pdserve[fast]", "uvloop": "pdserve[fast]", "granian": "granian"}
 
 
 def _spawn(argv: list[str], log: Path, timeout: float = 60.0) -> tuple[subprocess.Popen[str], str]:
@@ -176,26 +178,37 @@ def _run(args: argparse.Namespace, logs: Path,
     match = READY.search(line)
     assert match is not None
     router = f"127.0.0.1:{match.group(2)}"
+    gateways, notes = ({}, []) if args.no_gateway else _start_gateways(
+        router, router_argv[3:], logs, children)
+    return asyncio.run(_measure(args, engines, relay, router, gateways, redis_note, notes))
+
+
+def _start_gateways(router: str, router_flags: list[str], logs: Path,
+                    children: list[subprocess.Popen[str]]) -> tuple[dict[str, str], list[str]]:
+    """Every ``GATEWAYS`` row whose modules are installed: name -> its address; and notes
+    naming the rows left out."""
     gateways: dict[str, str] = {}
     notes: list[str] = []
-    for i, (name, (mode, parser, loop)) in enumerate(GATEWAYS.items()):
-        if args.no_gateway:
-            break
-        missing = [m for m in (parser, loop) if m in FAST and not importlib.util.find_spec(m)]
+    py = sys.executable
+    for i, (name, (mode, server, loop)) in enumerate(GATEWAYS.items()):
+        missing = [m for m in (server, loop) if m in OPTIONAL
+                   and not importlib.util.find_spec(m)]
         if missing:
-            notes.append(f"{name}: skipped, {' and '.join(missing)} not installed "
-                         "(pip install 'pdserve[fast]')")
+            notes.append(f"{name}: skipped, {' and '.join(missing)} not installed (pip "
+                         f"install {' '.join(sorted({repr(OPTIONAL[m]) for m in missing}))})")
             continue
         upstream = (["--router", router] if mode == "grpc" else
-                    ["--router", "embedded", "--router-flags", shlex.join(router_argv[3:])])
-        argv = [py, "-m", "services.gateway", "--port", "0", "--grpc-port", "0", *upstream,
-                "--http", parser, "--loop", loop]
+                    ["--router", "embedded", "--router-flags", shlex.join(router_flags)])
+        flags = ["--port", "0", "--grpc-port", "0", *upstream]
+        argv = ([py, "-m", "pdserve_bench.router_servers", "granian", *flags]
+                if server == "granian" else
+                [py, "-m", "services.gateway", *flags, "--http", server, "--loop", loop])
         proc, line = _spawn(argv, logs / f"gateway-{i}.log")
         children.append(proc)
         match = READY.search(line)
         assert match is not None
         gateways[name] = f"127.0.0.1:{match.group(2)}"
-    return asyncio.run(_measure(args, engines, relay, router, gateways, redis_note, notes))
+    return gateways, notes
 
 
 async def _measure(args: argparse.Namespace, engines: tuple[str, ...], relay: str, router: str,

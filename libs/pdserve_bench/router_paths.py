@@ -10,6 +10,7 @@ import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+
 import grpc
 
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc

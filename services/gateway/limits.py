@@ -41,7 +41,7 @@ class _HeaderTimer:
     cycle: Any
     transport: asyncio.Transport
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._header_timer: asyncio.TimerHandle | None = self.loop.call_later(
             self.header_timeout, self._headers_late)

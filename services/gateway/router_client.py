@@ -55,9 +55,6 @@ class RouterApi(Protocol):
 
     async def default_model(self) -> str: ...
 
-    async def start(self) -> None:
-        """Nothing to start: the channel connects on its first call."""
-
     async def check(self, timeout: float = 2.0) -> bool: ...
 
     async def close(self) -> None: ...
