@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"listening on ([\w.\[\]:-]+):(\d+)")
 # The gateway rows: name -> (how it reaches the router, HTTP server, event loop). The first is
 # the gateway as it ran before issue 16 (uvicorn's pure-Python h11 on asyncio's loop, a gRPC
-# hop); granian (Rust HTTP) serves the same ASGI app (``router_servers granian``).
+# hop); granian (Rust HTTP) serves the same ASGI app (``services.gateway.on_granian``).
 GATEWAYS = {
     "gateway+router (h11, asyncio)": ("grpc", "h11", "asyncio"),
     "gateway+router (httptools, uvloop)": ("grpc", "httptools", "uvloop"),
@@ -200,7 +200,7 @@ def _start_gateways(router: str, router_flags: list[str], logs: Path,
         upstream = (["--router", router] if mode == "grpc" else
                     ["--router", "embedded", "--router-flags", shlex.join(router_flags)])
         flags = ["--port", "0", "--grpc-port", "0", *upstream]
-        argv = ([py, "-m", "pdserve_bench.router_servers", "granian", *flags]
+        argv = ([py, "-m", "services.gateway.on_granian", *flags]
                 if server == "granian" else
                 [py, "-m", "services.gateway", *flags, "--http", server, "--loop", loop])
         proc, line = _spawn(argv, logs / f"gateway-{i}.log")

@@ -1,6 +1,5 @@
-"""The servers ``pdserve bench router`` runs in child processes: instant engines, a bare gRPC
-relay, and the gateway's app under granian instead of uvicorn
-(``python -m pdserve_bench.router_servers engines|relay|granian ...``)."""
+"""The servers ``pdserve bench router`` runs in child processes: instant engines and a bare
+gRPC relay (``python -m pdserve_bench.router_servers engines|relay ...``)."""
 
 from __future__ import annotations
 
@@ -91,55 +90,13 @@ async def _serve_engines(num_tokens: int) -> None:
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until parent exits
 
 
-async def _serve_granian(flags: list[str]) -> None:
-    """The gateway's ASGI app (``FastPath`` over FastAPI, the same handlers) served by granian
-    (Rust HTTP, ``pip install granian``) in this loop; ``flags``: the gateway's."""
-    import socket
-
-    from granian.constants import Interfaces
-    from granian.server.embed import Server
-
-    from services.gateway.app import FastPath, create_app
-    from services.gateway.auth import CacheSalter, KeyStore
-    from services.gateway.config import GatewayConfig
-    from services.gateway.metrics import GatewayMetrics
-    from services.gateway.server import router_api
-    from services.gateway.servicer import Gateway
-
-    config = GatewayConfig.from_argv(flags)
-    client = router_api(config)
-    await client.start()
-    gw = Gateway(config, client, KeyStore.load("", ()), GatewayMetrics(), CacheSalter(""))
-    with socket.socket() as probe:  # granian binds by number: find a free one
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = Server(FastPath(create_app(gw), gw), address="127.0.0.1", port=port,
-                    interface=Interfaces.ASGINL, log_enabled=False)
-    serving = asyncio.create_task(server.serve())
-    while True:  # until it accepts connections
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            break
-        except OSError:
-            if serving.done():
-                await serving
-            await asyncio.sleep(0.05)
-    print(f"granian gateway listening on 127.0.0.1:{port}", flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    server.stop()
-
-
 def main(argv: list[str]) -> int:
     if argv[:1] == ["engines"] and len(argv) == 2:
         asyncio.run(_serve_engines(int(argv[1])))
     elif argv[:1] == ["relay"] and len(argv) == 3:
         asyncio.run(_serve_relay(argv[1], argv[2]))
-    elif argv[:1] == ["granian"]:
-        asyncio.run(_serve_granian(argv[1:]))
     else:
-        sys.stderr.write("usage: router_servers engines NUM_TOKENS | relay PREFILL DECODE | "
-                         "granian GATEWAY_FLAGS...\n")
+        sys.stderr.write("usage: router_servers engines NUM_TOKENS | relay PREFILL DECODE\n")
         return 2
     return 0
 
