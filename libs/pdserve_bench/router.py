@@ -93,6 +93,9 @@ def _table(result: dict[str, Any]) -> str:
               f"{'path':<{width}}{head}{'req/s':>9}"]
     for name, row in result["concurrent"].items():
         lines.append(f"{name:<{width}}{_cells(row)}{row['rps']:>9.0f}")
+    hw = result["hardware"]
+    lines.append(f"hardware: {hw['cpu']}, {hw['cores']} cores, AVX-512F {hw['avx512f']}, "
+                 f"AVX-512-BF16 {hw['avx512_bf16']}, AMX {hw['amx']}")
     lines.append(f"router's own work (router - bare grpc relay, median): "
                  f"{result['router_over_bare_relay_median_ms']:.3f} ms; "
                  f"1-min load average {result['load_average_1m']:.1f} on {result['cpus']} CPUs")
@@ -234,7 +237,15 @@ async def _measure(args: argparse.Namespace, engines: tuple[str, ...], relay: st
             "router_over_bare_relay_median_ms":
                 rows["router"]["median_ms"] - rows["bare grpc relay"]["median_ms"],
             "targets": _targets(rows, loaded_rows, args.concurrency), "notes": notes,
-            "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]}
+            "hardware": _hardware(), "cpus": os.cpu_count(),
+            "load_average_1m": os.getloadavg()[0]}
+
+
+def _hardware() -> dict[str, Any]:
+    """The CPU and its flags (no matrix math runs here: they are reported, not used)."""
+    from pdserve_bench.cluster_bench import hardware
+
+    return {k: v for k, v in hardware().items() if k != "link"}
 
 
 def _targets(rows: dict[str, dict[str, float]], loaded: dict[str, dict[str, float]],
