@@ -1,7 +1,7 @@
 """Issue 6 end to end: the official ``openai`` client against ``pdserve up`` (real processes:
 Redis, two kvds, a prefill and a decode engine, the router, the gateway), once with the
 gateway calling the router over gRPC and once with the router embedded in it
-(``pdserve up --embedded-router``).
+(``pdserve up --embedded-router``, marked slow).
 
 The faults (Redis stopped, the only decode instance killed) come last: they change the stack.
 """
@@ -28,7 +28,8 @@ CHAT = [{"role": "system", "content": "You are terse."},
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=["grpc", "embedded"])
+# The embedded stack doubles this module's minutes: it runs with `make chaos`.
+@pytest.fixture(scope="module", params=["grpc", pytest.param("embedded", marks=pytest.mark.slow)])
 def stack(request: pytest.FixtureRequest,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
     keys: Path = tmp_path_factory.mktemp("keys") / "keys"
