@@ -99,7 +99,8 @@ class GatewayServer:
         connections."""
         config = self.config
         await self.client.start()
-        self.gateway = Gateway(config, self.client, self.keys, GatewayMetrics(),
+        self.gateway = Gateway(config, self.client, self.keys,
+                               GatewayMetrics(with_process_registry=config.router == env.EMBEDDED),
                                CacheSalter(env.secret(env.CACHE_SALT_SECRET_VAR)))
         self._sock = _bind(config.host, config.port)
         self.http_port = int(self._sock.getsockname()[1])

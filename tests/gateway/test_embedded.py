@@ -50,6 +50,9 @@ async def test_a_request_through_the_embedded_router_equals_the_engines_answer(
             resp = await http.post("/v1/completions", json={
                 "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0})
             assert (await http.get("/health")).json()["router_serving"] is True
+            metrics = (await http.get("/metrics")).text  # the embedded router's too
+        assert 'pdserve_router_requests_total{code="OK"}' in metrics
+        assert "pdserve_gateway_requests_total" in metrics
         assert resp.status_code == 200, resp.text
         body = resp.json()
         want = expected(prompt, 12)
