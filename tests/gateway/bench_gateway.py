@@ -148,8 +148,9 @@ class _InstantCall:
 
 class _InstantRouter:
     address = "in-process"
+    timeout = 600.0
 
-    def generate(self, request: Any, metadata: Any = ()) -> _InstantCall:
+    def generate(self, request: Any, metadata: Any = (), timeout: Any = None) -> _InstantCall:
         return _InstantCall()
 
 
