@@ -25,7 +25,7 @@ $(PY):
 .setup-stamp: pyproject.toml scripts/torch_spec.sh | $(PY)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $$(scripts/torch_spec.sh)
-	$(PIP) install --quiet -e '.[test,dev,bench,local,controller]'
+	$(PIP) install --quiet -e '.[test,dev,bench,local,controller,fast]'
 	touch $@
 
 protos $(STUBS): $(PROTOS) scripts/gen_protos.py | .setup-stamp

@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the controller's TPOT SLO (ms)")
     p.add_argument("--router-arg", action="append", default=[],
                    help="extra router flag, repeatable, e.g. --router-arg=--controller-dwell=5")
+    p.add_argument("--embedded-router", action="store_true",
+                   help="the gateway runs the router's core in its own process for the REST "
+                        "API (no gRPC hop); the standalone router still serves gRPC clients, "
+                        "with its own admission queue and quotas")
     p.add_argument("--no-restart", action="store_true", help="report dead services, do not restart")
     return p
 
@@ -234,17 +238,21 @@ class Stack:
                 engines[role].append(self.address(eng))
         names = ["--served-model-name", ",".join(ns.served_model_name)] \
             if ns.served_model_name else []
-        router = self._add("router", "router",
-                           ["--model", ns.model, *names, "--policy", ns.policy,
-                            "--tool-call-parser", ns.tool_call_parser,
-                            "--prefill", ",".join(engines[Role.PREFILL]),
-                            "--decode", ",".join(engines[Role.DECODE]),
-                            *self._controller_flags(), *ns.router_arg])
+        router_flags = ["--model", ns.model, *names, "--policy", ns.policy,
+                        "--tool-call-parser", ns.tool_call_parser,
+                        "--prefill", ",".join(engines[Role.PREFILL]),
+                        "--decode", ",".join(engines[Role.DECODE]),
+                        *self._controller_flags(), *ns.router_arg]
+        router = self._add("router", "router", router_flags)
         self.router = router
         gw_flags = ["--router", self.address(router), "--grpc-port", "0"]
+        if ns.embedded_router:  # the same router's core inside the gateway, for REST
+            gw_flags[:2] = ["--router", env.EMBEDDED, "--router-flags", " ".join(router_flags)]
         if ns.keys_file:
             gw_flags += ["--keys-file", ns.keys_file]
         self.gateway = self._add("gateway", "gateway", gw_flags, port=ns.port)
+        if ns.embedded_router:  # it talks to the engines and Redis as the router does
+            self.gateway.env = {**self.secrets.env_for("router", self.env), **self.gateway.env}
 
     @property
     def router_address(self) -> str:
@@ -283,7 +291,8 @@ class Stack:
         new = self.address(proc)
         changed = []
         for other in self.procs:
-            args = [",".join(new if a == old else a for a in arg.split(",")) for arg in other.args]
+            args = [" ".join(",".join(new if a == old else a for a in word.split(","))
+                             for word in arg.split(" ")) for arg in other.args]  # --router-flags
             if other is not proc and args != other.args:
                 other.args = args
                 changed.append(other)

@@ -127,6 +127,9 @@ TOKEN = _text_kind(lambda s: bool(s) and not any(c.isspace() for c in s),
 BOOL = Kind(_parse_bool, _check_bool, "true, false, 1, 0, yes, no, on, off")
 PORT = int_kind(0, 65535)
 ADDRESS = _text_kind(is_host_port, "host:port")
+EMBEDDED = "embedded"  # a peer run inside this process instead of at an address
+ADDRESS_OR_EMBEDDED = _text_kind(lambda s: s == EMBEDDED or is_host_port(s),
+                                 f"host:port, or {EMBEDDED}")
 OPTIONAL_ADDRESS = _text_kind(lambda s: not s or is_host_port(s), "host:port, or empty")
 ADDRESSES = _list_kind(ADDRESS)
 TOKENS = _list_kind(TOKEN)

@@ -51,18 +51,25 @@ def _server_span(servicer: Any, rpc: str, context: grpc.aio.ServicerContext) -> 
                               kind=trace.SpanKind.SERVER)
 
 
-async def _answer(exc: BaseException, rpc: str, request: Any,
-                  context: grpc.aio.ServicerContext) -> NoReturn:
-    """Abort ``context`` with the status ``exc`` stands for."""
+def status_error_of(exc: BaseException, rpc: str, request: Any) -> StatusError:
+    """The status ``exc`` stands for: a StatusError is its own; anything else is logged with
+    its traceback and becomes INTERNAL naming the request id (never the caller's fault). The
+    gateway's in-process router answers with it too (``services.gateway.embedded``)."""
     if isinstance(exc, StatusError):
-        await abort_with(context, exc)
+        return exc
     rid = request_id_of(request)
     log.error("rpc failed with an internal error", exc_info=exc,
               extra={"fields": {"rpc": rpc, "request_id": rid}})
-    await abort_with(context, StatusError(
+    return StatusError(
         grpc.StatusCode.INTERNAL,
         f"{rpc}: internal error ({type(exc).__name__}) serving request {rid}; "
-        "the service log has the details"))
+        "the service log has the details")
+
+
+async def _answer(exc: BaseException, rpc: str, request: Any,
+                  context: grpc.aio.ServicerContext) -> NoReturn:
+    """Abort ``context`` with the status ``exc`` stands for."""
+    await abort_with(context, status_error_of(exc, rpc, request))
 
 
 @contextlib.asynccontextmanager

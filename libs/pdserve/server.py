@@ -144,10 +144,13 @@ async def serve(name: str, host: str, svc: Service, grace: float = 5.0,
 
 
 def run_main(config_cls: type[C], run: Callable[[C], Coroutine[Any, Any, None]],
-             argv: list[str] | None) -> int:
+             argv: list[str] | None,
+             loop_factory: Callable[[C], Callable[[], asyncio.AbstractEventLoop] | None]
+             = lambda _: None) -> int:
     """The shared ``main``: flags -> config -> ``run(config)`` under logging, tracing and the
     optional profiler. A bad setting (also one found while starting: a file it names) exits 2
-    with one line; a port that cannot be bound exits 1."""
+    with one line; a port that cannot be bound exits 1. ``loop_factory(config)`` picks the
+    event loop (None: asyncio's own)."""
     name = config_cls.SERVICE
     try:
         config = config_cls.from_argv(argv)
@@ -157,7 +160,13 @@ def run_main(config_cls: type[C], run: Callable[[C], Coroutine[Any, Any, None]],
     setup_logging(name)
     init_tracing(name, env.otel_endpoint())
     try:
-        _profiled(name, lambda: asyncio.run(run(config)))
+        factory = loop_factory(config)  # None: asyncio's own loop
+
+        def main() -> None:
+            with asyncio.Runner(loop_factory=factory) as runner:
+                runner.run(run(config))
+
+        _profiled(name, main)
     except ConfigError as exc:
         sys.stderr.write(f"pdserve {name}: error: {exc}\n")
         return 2

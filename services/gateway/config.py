@@ -9,12 +9,14 @@ from dataclasses import dataclass
 
 from pdserve.auth import is_loopback
 from pdserve.env import (
-    ADDRESS,
+    ADDRESS_OR_EMBEDDED,
+    EMBEDDED,
     NAME,
     STR,
     TOKENS,
     ConfigError,
     ServiceConfig,
+    choice_kind,
     float_kind,
     int_kind,
     port_setting,
@@ -29,7 +31,17 @@ class GatewayConfig(ServiceConfig):
     host: str = setting("127.0.0.1", NAME, "HTTP address to bind")
     port: int = port_setting(8000, "HTTP")
     grpc_port: int = port_setting(0, "gRPC health and reflection")
-    router: str = setting("127.0.0.1:50051", ADDRESS, "router gRPC address host:port")
+    router: str = setting("127.0.0.1:50051", ADDRESS_OR_EMBEDDED,
+                          "router gRPC address host:port, or 'embedded': run the router's core "
+                          "in this process (configured by --router-flags)")
+    router_flags: str = setting("", STR, "with --router embedded: the router's flags, as "
+                                "python -m services.router takes them (its PDSERVE_ROUTER_* "
+                                "variables apply too), e.g. '--prefill h:p --decode h:p'")
+    http: str = setting("auto", choice_kind("auto", "h11", "httptools"),
+                        "HTTP/1.1 parser; auto = httptools when installed (pdserve[fast]), "
+                        "else h11")
+    loop: str = setting("auto", choice_kind("auto", "asyncio", "uvloop"),
+                        "event loop; auto = uvloop when installed (pdserve[fast]), else asyncio")
     keys_file: str = setting("", STR, "API keys file (one 'key[,tenant[,cache_group]]' a "
                              "line); none = no auth, allowed on a loopback address only")
     api_keys: tuple[str, ...] = setting((), TOKENS,
@@ -49,6 +61,9 @@ class GatewayConfig(ServiceConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.router_flags and self.router != EMBEDDED:
+            raise ConfigError(f"--router-flags: only with --router {EMBEDDED} (the router at "
+                              f"{self.router} has its own flags)")
         if not (self.keys_file or self.api_keys) and not is_loopback(self.host):
             raise ConfigError(f"--host {self.host}: serving the API on a non-loopback address "
                               "needs API keys (--keys-file or --api-keys); refusing to start "

@@ -22,7 +22,7 @@ import grpc
 
 from pdserve.proto.v1 import common_pb2, router_pb2
 from services.gateway.errors import ApiError
-from services.gateway.router_client import GenerateCall, RouterClient
+from services.gateway.router_client import GenerateCall, RouterApi
 
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 
@@ -104,7 +104,7 @@ def usage_of(choices: Sequence[ChoiceOutput], n: int) -> dict[str, object]:
 class Generation:
     """The router calls of one request, read as one interleaved stream."""
 
-    def __init__(self, client: RouterClient, metadata: tuple[tuple[str, str], ...],
+    def __init__(self, client: RouterApi, metadata: tuple[tuple[str, str], ...],
                  requests: Sequence[router_pb2.GenerateRequest], start_time: float,
                  timeout: float | None = None) -> None:
         self.start_time = start_time  # the HTTP request's arrival (perf_counter), for TTFT

@@ -1,8 +1,8 @@
 """Limits a slow or silent peer cannot stretch, on both sides of the gateway.
 
     headers   a connection must deliver its request line and headers within
-              ``--header-timeout`` seconds (``HeaderTimeoutProtocol``, uvicorn's h11
-              protocol with a timer): else 408 and the connection is closed
+              ``--header-timeout`` seconds (``with_header_timeout``: uvicorn's h11 or
+              httptools protocol with a timer): else 408 and the connection is closed
     body      every chunk of the body must arrive within ``--body-timeout`` seconds of the
               last (``read_body``), and the body stays under ``--max-body-bytes``: a body that
               declares 1,000 bytes and sends 8 is answered 408 in seconds, not held
@@ -31,18 +31,30 @@ HEARTBEAT = b": keep-alive\n\n"
 TIMEOUT_HEADER = "x-request-timeout"
 
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing connections whose headers do not arrive in time."""
+class _HeaderTimer:
+    """Mixed into one of uvicorn's HTTP protocols: closes connections whose headers do not
+    arrive in time. Its request cycle starts when the headers are in: from ``handle_events``
+    (h11) or ``on_headers_complete`` (httptools), whichever the protocol has."""
 
     header_timeout: float = 10.0  # set per server by ``with_header_timeout``
+    loop: asyncio.AbstractEventLoop
+    cycle: Any
+    transport: asyncio.Transport
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
         self._header_timer: asyncio.TimerHandle | None = self.loop.call_later(
             self.header_timeout, self._headers_late)
 
-    def handle_events(self) -> None:
-        super().handle_events()
+    def handle_events(self) -> None:  # h11
+        super().handle_events()  # type: ignore[misc]
+        self._headers_in()
+
+    def on_headers_complete(self) -> None:  # httptools
+        super().on_headers_complete()  # type: ignore[misc]
+        self._headers_in()
+
+    def _headers_in(self) -> None:
         if self.cycle is not None and self._header_timer is not None:
             self._header_timer.cancel()  # the request line and headers are in
             self._header_timer = None
@@ -50,7 +62,7 @@ class HeaderTimeoutProtocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._header_timer is not None:
             self._header_timer.cancel()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def _headers_late(self) -> None:
         self._header_timer = None
@@ -66,9 +78,19 @@ class HeaderTimeoutProtocol(H11Protocol):
         self.transport.close()
 
 
-def with_header_timeout(seconds: float) -> type[HeaderTimeoutProtocol]:
-    """The protocol class for one server (uvicorn builds it from the class)."""
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout": seconds})
+class HeaderTimeoutProtocol(_HeaderTimer, H11Protocol):
+    """uvicorn's h11 protocol, closing connections whose headers do not arrive in time."""
+
+
+def with_header_timeout(seconds: float, parser: str = "h11") -> type[asyncio.Protocol]:
+    """The protocol class for one server (uvicorn builds it from the class): ``parser`` h11
+    (pure Python) or httptools (C, the ``fast`` extra)."""
+    base: type[asyncio.Protocol] = HeaderTimeoutProtocol
+    if parser == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        base = type("HttpToolsHeaderTimeoutProtocol", (_HeaderTimer, HttpToolsProtocol), {})
+    return type(base.__name__, (base,), {"header_timeout": seconds})
 
 
 async def read_body(request: Request, limit: int, idle_timeout: float) -> bytes:

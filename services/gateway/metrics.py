@@ -5,14 +5,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 # Latency buckets from 1 ms (the hot path's budget) to minutes (long generations).
 _LATENCY = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    """``with_process_registry``: also expose prometheus_client's default registry, where an
+    embedded router (``--router embedded``) counts its ``pdserve_router_*`` metrics."""
+
+    def __init__(self, with_process_registry: bool = False) -> None:
+        self.with_process_registry = with_process_registry
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_gateway_requests", "HTTP requests answered",
@@ -57,4 +68,5 @@ class GatewayMetrics:
         self._completion.inc(completion)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        own = generate_latest(self.registry)
+        return own + generate_latest(REGISTRY) if self.with_process_registry else own

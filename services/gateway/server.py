@@ -1,15 +1,21 @@
 """The gateway process's two servers in one asyncio loop: uvicorn (HTTP, the OpenAI API) and a
 small ``grpc.aio`` server that answers ``grpc.health.v1`` and reflection like every pdserve
-process. ``GatewayServer.start()`` binds both (port 0 = a free one); ``stop()`` drains both.
+process. ``GatewayServer.start()`` binds both (port 0 = a free one) and starts the way to the
+router (a gRPC channel, or with ``--router embedded`` the router's core in this loop);
+``stop()`` drains both servers, then stops the router's.
+
+``--http`` and ``--loop`` pick uvicorn's HTTP parser and the event loop (``pdserve bench
+router`` measures them side by side); auto takes the C ones (httptools, uvloop) when installed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -21,7 +27,7 @@ from services.gateway.auth import CacheSalter, KeyStore
 from services.gateway.config import GatewayConfig
 from services.gateway.limits import with_header_timeout
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.router_client import RouterClient
+from services.gateway.router_client import RouterApi, RouterClient
 from services.gateway.servicer import Gateway
 
 log = logging.getLogger(__name__)
@@ -49,21 +55,52 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def http_parser(config: GatewayConfig) -> str:
+    """``--http``, auto resolved: httptools when installed, else h11."""
+    if config.http != "auto":
+        return config.http
+    return "httptools" if importlib.util.find_spec("httptools") else "h11"
+
+
+def loop_factory(config: GatewayConfig) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """``--loop``, auto resolved: uvloop's loop when installed, else asyncio's (None)."""
+    if config.loop == "asyncio" or (config.loop == "auto"
+                                    and not importlib.util.find_spec("uvloop")):
+        return None
+    import uvloop
+
+    return uvloop.new_event_loop
+
+
+def router_api(config: GatewayConfig) -> RouterApi:
+    """The way to the router ``config`` names (not started)."""
+    if config.router == env.EMBEDDED:
+        from services.gateway.embedded import EmbeddedRouter
+
+        return EmbeddedRouter.from_flags(config.router_flags, config.request_timeout)
+    return RouterClient(config.router, config.request_timeout, auth.metadata([auth.CLIENT]))
+
+
 class GatewayServer:
-    def __init__(self, config: GatewayConfig, keys: KeyStore, grace: int = 5) -> None:
+    """``router``: the way to the router, else the one ``config`` names (tests pass theirs)."""
+
+    def __init__(self, config: GatewayConfig, keys: KeyStore, grace: int = 5,
+                 router: RouterApi | None = None) -> None:
         self.config = config
         self.keys = keys
         self.grace = grace
         self.http_port = 0
         self.grpc_port = 0
         self._task: asyncio.Task[None] | None = None
+        self.client = router if router is not None else router_api(config)
 
     async def start(self) -> None:
-        """Bind and start both servers; return once HTTP accepts connections."""
+        """Start the router's side, bind and start both servers; return once HTTP accepts
+        connections."""
         config = self.config
-        self.client = RouterClient(config.router, config.request_timeout,
-                                   auth.metadata([auth.CLIENT]))
-        self.gateway = Gateway(config, self.client, self.keys, GatewayMetrics(),
+        await self.client.start()
+        self.gateway = Gateway(config, self.client, self.keys,
+                               GatewayMetrics(with_process_registry=config.router == env.EMBEDDED),
                                CacheSalter(env.secret(env.CACHE_SALT_SECRET_VAR)))
         self._sock = _bind(config.host, config.port)
         self.http_port = int(self._sock.getsockname()[1])
@@ -74,7 +111,8 @@ class GatewayServer:
         uv_config = uvicorn.Config(app, log_config=None, access_log=False,
                                    lifespan="off", timeout_graceful_shutdown=self.grace,
                                    server_header=False,
-                                   http=with_header_timeout(config.header_timeout))
+                                   http=with_header_timeout(config.header_timeout,
+                                                            http_parser(config)))
         self._http = _Uvicorn(uv_config)
         self._task = asyncio.create_task(self._http.serve(sockets=[self._sock]))
         while not self._http.started:
@@ -88,6 +126,8 @@ class GatewayServer:
         instance = config.instance_id or f"{config.host}:{self.http_port}"
         log.info("serving", extra=fields(instance=instance, http_port=self.http_port,
                                          grpc_port=self.grpc_port, router=config.router,
+                                         http=http_parser(config),
+                                         loop=type(asyncio.get_running_loop()).__module__,
                                          keys=len(self.keys)))
 
     @property

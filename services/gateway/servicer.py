@@ -31,7 +31,7 @@ from services.gateway.errors import ApiError, bad_request, from_rpc_error, from_
 from services.gateway.generate import ChoiceOutput, Generation, collect
 from services.gateway.limits import HEARTBEAT, read_body, request_timeout, with_heartbeats
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.router_client import RouterClient
+from services.gateway.router_client import RouterApi
 from services.gateway.schema import ChatCompletionRequest, CompletionRequest
 from services.gateway.sse import SSE_HEADERS, ClientGone, SSEResponse, cancel_on_disconnect
 from services.gateway.tokens import DetokenizeRequest, TokenizeRequest, tokenize_body
@@ -65,7 +65,7 @@ class _StreamEnd:
 @dataclass
 class Gateway:
     config: GatewayConfig
-    client: RouterClient
+    client: RouterApi
     keys: KeyStore
     metrics: GatewayMetrics
     salter: CacheSalter

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Awaitable, Callable
 
 from pdserve import auth
 from pdserve.server import Service, make_server, run_grpc_main
@@ -18,6 +19,8 @@ from services.router.quotas import QuotaBook, load_quotas
 from services.router.requests import RouterLimits
 from services.router.servicer import servicers
 from services.router.slo_admission import SloGate
+
+Hook = Callable[[], Awaitable[None]]
 
 
 def _redis_index(config: RouterConfig) -> PrefixLookup | None:
@@ -71,12 +74,21 @@ async def create_server(config: RouterConfig, model: ModelSpec | None = None,
     router = build_router(config, model, index)
     svc = make_server(config.host, config.port, servicers(router),
                       rules=[("/pdserve.v1.Router/", auth.CLIENT)])
-    svc.on_start.append(router.start)
-    svc.on_stop.append(router.stop)
-    if router.controller is not None:  # after the router's first poll: the roles are known
-        svc.on_start.append(router.controller.start)
-        svc.on_stop.insert(0, router.controller.stop)
+    starts, stops = lifecycle(router)
+    svc.on_start.extend(starts)
+    svc.on_stop.extend(stops)
     return svc
+
+
+def lifecycle(router: Router) -> tuple[list[Hook], list[Hook]]:
+    """What starts ``router`` (in order) and what stops it (in order): the gRPC server's
+    hooks, and the gateway's when it embeds the router (``services.gateway.embedded``)."""
+    starts: list[Hook] = [router.start]
+    stops: list[Hook] = [router.stop]
+    if router.controller is not None:  # after the router's first poll: the roles are known
+        starts.append(router.controller.start)
+        stops.insert(0, router.controller.stop)
+    return starts, stops
 
 
 def main(argv: list[str] | None = None) -> int:

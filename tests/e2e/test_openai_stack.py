@@ -1,5 +1,7 @@
 """Issue 6 end to end: the official ``openai`` client against ``pdserve up`` (real processes:
-Redis, two kvds, a prefill and a decode engine, the router, the gateway).
+Redis, two kvds, a prefill and a decode engine, the router, the gateway), once with the
+gateway calling the router over gRPC and once with the router embedded in it
+(``pdserve up --embedded-router``, marked slow).
 
 The faults (Redis stopped, the only decode instance killed) come last: they change the stack.
 """
@@ -26,14 +28,17 @@ CHAT = [{"role": "system", "content": "You are terse."},
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
+# The embedded stack doubles this module's minutes: it runs with `make chaos`.
+@pytest.fixture(scope="module", params=["grpc", pytest.param("embedded", marks=pytest.mark.slow)])
+def stack(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpStack]:
     keys: Path = tmp_path_factory.mktemp("keys") / "keys"
     keys.write_text(f"{KEY},team-a\n")
     # --max-wait 3: with the only decode dead (and not restarted), a request is held that long
     # for it to come back before its 503 (the default, 30 s, is for a supervisor's restart).
     up = UpStack(["--model", "tiny", "--prefill", "1", "--decode", "1", "--keys-file", str(keys),
-                  "--no-restart", "--router-arg=--max-wait=3"]).start()
+                  "--no-restart", "--router-arg=--max-wait=3",
+                  *(["--embedded-router"] if request.param == "embedded" else [])]).start()
     yield up
     up.stop()
 

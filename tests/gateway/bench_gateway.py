@@ -47,7 +47,7 @@ async def main():
     while True:
         await asyncio.sleep(1)
         router.requests.clear()
-        router.metadata.clear()
+        router.trace_ids.clear()
 
 asyncio.run(main())
 """
@@ -148,8 +148,9 @@ class _InstantCall:
 
 class _InstantRouter:
     address = "in-process"
+    timeout = 600.0
 
-    def generate(self, request: Any, metadata: Any = ()) -> _InstantCall:
+    def generate(self, request: Any, metadata: Any = (), timeout: Any = None) -> _InstantCall:
         return _InstantCall()
 
 

@@ -1,10 +1,13 @@
 """Gateways under test, served for real (uvicorn + grpc.aio) in a background event loop, in
-front of a scripted router on a real gRPC port. Tests talk to them with the official ``openai``
-client and ``httpx`` from the test thread."""
+front of a scripted router core reached both ways (the ``stack`` fixture runs every test twice):
+``grpc``, over the real router servicer on a real gRPC port, and ``embedded``, in-process
+(``--router embedded``). Tests talk to them with the official ``openai`` client and ``httpx``
+from the test thread."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -18,7 +21,10 @@ from pdserve.proto.v1 import router_pb2
 from pdserve.server import Service, make_server
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewayConfig
+from services.gateway.embedded import EmbeddedRouter
+from services.gateway.router_client import RouterApi
 from services.gateway.server import GatewayServer
+from services.router.servicer import RouterServicer
 from tests.gateway.fake_router import FakeRouter
 
 T = TypeVar("T")
@@ -62,21 +68,30 @@ class Stack:
 async def _start_router(router: FakeRouter) -> Service:
     from pdserve.proto.v1 import router_pb2_grpc
 
-    svc = make_server("127.0.0.1", 0, [(router_pb2_grpc.add_RouterServicer_to_server, router,
+    svc = make_server("127.0.0.1", 0, [(router_pb2_grpc.add_RouterServicer_to_server,
+                                        RouterServicer(router),  # type: ignore[arg-type]
                                         "pdserve.v1.Router")])
     await svc.server.start()
     await svc.set_serving(True)
     return svc
 
 
-async def _start_gateway(config: GatewayConfig) -> GatewayServer:
-    server = GatewayServer(config, KeyStore.load(config.keys_file, config.api_keys), grace=1)
+async def _start_gateway(config: GatewayConfig, router: FakeRouter | None = None
+                         ) -> GatewayServer:
+    """``router``: embed that core (``--router embedded``), else reach ``config.router``."""
+    api: RouterApi | None = None
+    if router is not None:
+        config = dataclasses.replace(config, router="embedded")
+        api = EmbeddedRouter(router, config.request_timeout)
+    server = GatewayServer(config, KeyStore.load(config.keys_file, config.api_keys), grace=1,
+                           router=api)
     await server.start()
     return server
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+@pytest.fixture(scope="session", params=["grpc", "embedded"])
+def stack(request: pytest.FixtureRequest,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     keys_file = Path(tmp_path_factory.mktemp("keys")) / "keys.txt"
     keys_file.write_text(f"# team keys\n{TEAM_KEY}, team-a\n\n")
     loop = Loop()
@@ -93,7 +108,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         # Its router is not there.
         "dead": GatewayConfig(port=0, router=dead, request_timeout=2),
     }
-    gateways = {name: loop.run(_start_gateway(c)) for name, c in configs.items()}
+    embedded = router if request.param == "embedded" else None
+    gateways = {name: loop.run(_start_gateway(c, None if name == "dead" else embedded))
+                for name, c in configs.items()}
     yield Stack(loop, router, router_svc, gateways)
     for gw in gateways.values():
         loop.run(gw.stop())

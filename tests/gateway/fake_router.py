@@ -1,4 +1,6 @@
-"""A scripted ``Router`` servicer: the layer below the gateway, on a real ``grpc.aio`` server.
+"""A scripted router core: the layer below the gateway, in place of ``services.router.core``.
+It is served both ways the gateway reaches a router: by the real ``RouterServicer`` on a real
+``grpc.aio`` server, and in-process by ``EmbeddedRouter`` (``--router embedded``).
 
 The prompt (or a chat's last message) picks the script:
 
@@ -13,19 +15,22 @@ The prompt (or a chat's last message) picks the script:
     anything    the reply REPLY one token a message, honouring max_tokens, stop and seed
 
 With ``echo`` the first message carries the prompt's text (and two prompt logprobs when asked).
-Errors go out as the real router's do (``pdserve.errors``). Unknown models get NOT_FOUND.
-Every request is recorded in ``requests``.
+Errors are raised as the real core raises them (``StatusError``), so each way answers them as it
+answers the real router's. Unknown models get NOT_FOUND. Every request is recorded in
+``requests``, with the trace id current while it ran in ``trace_ids``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
-from pdserve.errors import BadRequest, StatusError, abort_with
-from pdserve.proto.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.errors import BadRequest, StatusError
+from pdserve.proto.v1 import common_pb2, router_pb2
 
 MODEL = "tiny"
 REPLY = ["Hello", ",", " world", "!", " END"]
@@ -49,33 +54,39 @@ def prompt_len(req: router_pb2.GenerateRequest) -> int:
     return len(req.prompt.split())
 
 
-class FakeRouter(router_pb2_grpc.RouterServicer):
+class FakeRouter:
     def __init__(self) -> None:
         self.requests: list[router_pb2.GenerateRequest] = []
         self.cancelled: list[str] = []
-        self.metadata: list[dict[str, str]] = []
+        self.trace_ids: list[str] = []
 
-    async def ListModels(self, request: Any, context: Any) -> router_pb2.ListModelsResponse:
+    def list_models(self) -> router_pb2.ListModelsResponse:
         return router_pb2.ListModelsResponse(
             models=[router_pb2.ModelInfo(id=MODEL, max_context=2048, block_size=16)])
 
-    async def Generate(self, req: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-                       ) -> Any:
+    def tokenize(self, request: router_pb2.TokenizeRequest) -> router_pb2.TokenizeResponse:
+        raise StatusError(grpc.StatusCode.UNIMPLEMENTED, "Tokenize: not scripted")
+
+    def detokenize(self, request: router_pb2.DetokenizeRequest,
+                   ) -> router_pb2.DetokenizeResponse:
+        raise StatusError(grpc.StatusCode.UNIMPLEMENTED, "Detokenize: not scripted")
+
+    async def generate(self, req: router_pb2.GenerateRequest,
+                       time_remaining: Callable[[], float | None],
+                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
         self.requests.append(req)
-        self.metadata.append({k: v for k, v in context.invocation_metadata() or ()
-                              if isinstance(v, str)})
+        span = trace.get_current_span().get_span_context()
+        self.trace_ids.append(trace.format_trace_id(span.trace_id))
         if req.model not in ("", MODEL):
-            await abort_with(context, StatusError(grpc.StatusCode.NOT_FOUND,
-                                                  f"model: {req.model!r} is not served"))
+            raise StatusError(grpc.StatusCode.NOT_FOUND, f"model: {req.model!r} is not served")
         text = prompt_text(req)
         if text == "quota":
-            await abort_with(context, StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                  "tenant token rate exceeded", retry_after=7))
+            raise StatusError(grpc.StatusCode.RESOURCE_EXHAUSTED, "tenant token rate exceeded",
+                              retry_after=7)
         if text == "busy":
-            await abort_with(context, StatusError(grpc.StatusCode.UNAVAILABLE,
-                                                  "no healthy decode instance"))
+            raise StatusError(grpc.StatusCode.UNAVAILABLE, "no healthy decode instance")
         if text == "badparam":
-            await abort_with(context, BadRequest("sampling.max_tokens: must be <= 4096"))
+            raise BadRequest("sampling.max_tokens: must be <= 4096")
         if text == "hangfirst":
             await self._wait_cancelled(req)
         placement = router_pb2.Placement(prefill_instance="p0", decode_instance="d0",
@@ -94,7 +105,7 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
             yield self._token(req, 0, REPLY[0])
             if text == "midfail":
                 yield self._token(req, 1, REPLY[1])
-                await context.abort(grpc.StatusCode.INTERNAL, "decode instance died")
+                raise StatusError(grpc.StatusCode.INTERNAL, "decode instance died")
             if text == "abort":
                 yield router_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_ABORT)
                 return

@@ -19,10 +19,11 @@ from services.gateway.server import GatewayServer
 from tests.gateway.conftest import Stack, _start_gateway
 
 
-@pytest.fixture(scope="module")
-def strict(stack: Stack) -> Iterator[GatewayServer]:
+@pytest.fixture(scope="module", params=["h11", "httptools"])  # both parsers keep the limits
+def strict(request: pytest.FixtureRequest, stack: Stack) -> Iterator[GatewayServer]:
     config = GatewayConfig(port=0, router=stack.router_address, request_timeout=10,
-                           header_timeout=1.0, body_timeout=1.0, sse_heartbeat=0.2)
+                           header_timeout=1.0, body_timeout=1.0, sse_heartbeat=0.2,
+                           http=request.param)
     gw = stack.loop.run(_start_gateway(config))
     yield gw
     stack.loop.run(gw.stop())

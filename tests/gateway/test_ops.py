@@ -93,7 +93,13 @@ def test_process_ready_line_health_and_sigterm(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["--router", "nowhere"], "--router: invalid value 'nowhere' (accepted: host:port)"),
+    (["--router", "nowhere"],
+     "--router: invalid value 'nowhere' (accepted: host:port, or embedded)"),
+    (["--router-flags", "--decode h:1"], "--router-flags: only with --router embedded"),
+    (["--router", "embedded", "--router-flags", "--policy nope"],
+     "--policy: invalid value 'nope'"),
+    (["--router", "embedded"], "--router-flags: --prefill/--decode/--redis-url: no instances"),
+    (["--http", "h2"], "--http: invalid value 'h2'"),
     (["--keys-file", "/no/such/keys"], "--keys-file: cannot read '/no/such/keys'"),
     (["--request-timeout", "0"], "--request-timeout: invalid value '0'"),
 ])

@@ -93,3 +93,19 @@ def test_a_service_that_died_otherwise_keeps_its_port() -> None:
     finally:
         kvd.stop()
         stack.pidfile.remove()
+
+
+def test_an_embedded_router_gets_the_routers_flags_and_follows_the_engines() -> None:
+    stack = Stack(_args(build_parser().parse_args(["--port", "0", "--embedded-router"])))
+    stack.redis_url = ""
+    stack.plan()
+    router = next(p for p in stack.procs if p.name == "router")
+    assert _flag(stack.gateway, "--router") == "embedded"
+    flags = _flag(stack.gateway, "--router-flags").split(" ")
+    assert flags == router.args[router.args.index("--model"):router.args.index("--metrics-port")]
+    assert "PDSERVE_SECRET" in stack.gateway.env  # it calls the engines as the router does
+    prefill = next(p for p in stack.procs if p.name == "prefill-0")
+    stack._bound(prefill, 4321)  # the engine's ready line: both routers follow
+    assert _flag(router, "--prefill") == "127.0.0.1:4321"
+    assert "--prefill 127.0.0.1:4321 " in _flag(stack.gateway, "--router-flags")
+    stack.pidfile.remove()

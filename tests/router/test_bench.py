@@ -17,6 +17,9 @@ def test_bench_router_runs_and_prints_json(capsys: pytest.CaptureFixture[str]) -
     result = json.loads(out.strip().splitlines()[-1])
     assert set(result["paths"]) == {"direct", "bare grpc relay", "router"}
     assert result["router_rps"] > 0 and result["paths"]["router"]["median_ms"] > 0
+    assert set(result["concurrent"]) == {"direct", "router"}
+    assert result["concurrent"]["router"]["rps"] == result["router_rps"]
+    assert [t["path"] for t in result["targets"]] == ["router"]
     assert "added median" in out
 
 
