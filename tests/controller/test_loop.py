@@ -106,3 +106,42 @@ async def test_the_model_is_refit_from_stats_when_they_determine_it() -> None:
     assert ctl.model.prefill_tokens_per_s == pytest.approx(3000)
     assert ctl.model.decode_base_s == pytest.approx(0.020)
     assert ctl.model.decode_per_seq_s == pytest.approx(0.001)
+
+
+class FailingOnce(StatsSource):
+    """Raises on its first poll (a bug in one tick), then answers."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    async def sample(self) -> list[Sample]:
+        self.polls += 1
+        if self.polls == 1:
+            raise RuntimeError("boom")
+        return []
+
+
+async def test_the_loop_outlives_a_failed_tick_and_calls_its_hook(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
+    from pdserve.controller.optimizer import Decision
+
+    seen: list[Decision | None] = []
+    source = FailingOnce()
+    ctl = _controller(DryRunActuator(), source)
+    ctl.config = LoopConfig(interval_s=0.05, horizon_s=0, slo=CONFIG.slo)
+    ctl.on_tick = seen.append
+    with caplog.at_level(logging.INFO, logger="pdserve.controller.loop"):
+        ctl.start()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if len(seen) >= 3:
+                break
+        await ctl.stop()
+    assert seen[0] is None and all(d is not None for d in seen[1:3])
+    assert any(r.getMessage() == "controller tick failed" and r.exc_info for r in caplog.records)
+    assert source.polls >= 3
+    ctl.on_tick = lambda d: 1 / 0  # a failing hook is logged too; the tick's answer stands
+    assert await ctl.run_once() is not None
+    assert any(r.getMessage() == "controller on_tick hook failed" for r in caplog.records)

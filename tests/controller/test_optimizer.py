@@ -103,3 +103,13 @@ def test_policy_never_flaps_under_an_alternating_load() -> None:
             switches.append(tick)
     assert len(switches) <= 120 // 30
     assert all(b - a >= 30 for a, b in zip(switches, switches[1:], strict=False))
+
+
+def test_no_arrivals_hold_the_plan_without_scoring_an_empty_load() -> None:
+    # A model without prefill overhead scores a 0-token prompt as 0 s of service: the policy
+    # must not divide by it (an idle router's first ticks see no arrivals).
+    m = CapacityModel(0.0, 1000.0, 0.010, 0.001, max_batch=40)
+    policy = Policy(Plan(1, 1), 0.1, 0.0)
+    d = policy.decide(100.0, m, Load(0.0, 0.0, 0.0), Slo(1.0, 0.1),
+                      Cluster(2, allow_colocated=False))
+    assert (d.plan, d.changed, d.reason) == (Plan(1, 1), False, "hold: no arrivals in the window")

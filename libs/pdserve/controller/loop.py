@@ -5,6 +5,10 @@ it (else keeps the last model: the bench calibration it started from), forecasts
 ``horizon_s`` ahead from the router's admitted requests, lets the ``Policy`` decide, and — only
 while this router holds the lease (or when there is no lease) — applies a changed plan. Every
 tick logs ``controller decision: p=2 d=1 reason=...`` and updates the metrics below.
+
+``start`` runs the one loop (the router's ``--controller`` too): sleep ``interval_s``, tick,
+then call the ``on_tick`` hook (the router logs its latency summary there). A tick that raises
+is logged and the loop goes on; so is a hook that raises.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis.exceptions
 from prometheus_client import Counter, Gauge
 
 from pdserve.controller.actuator import ActuationError, Actuator
@@ -46,10 +52,11 @@ class LoopConfig:
 class Controller:
     def __init__(self, monitor: ResourceMonitor, window: WorkloadWindow, model: CapacityModel,
                  policy: Policy, cluster: Cluster, actuator: Actuator, config: LoopConfig,
-                 lease: RedisLease | None = None) -> None:
+                 lease: RedisLease | None = None,
+                 on_tick: Callable[[Decision | None], None] | None = None) -> None:
         self.monitor, self.window, self.model = monitor, window, model
         self.policy, self.cluster, self.actuator = policy, cluster, actuator
-        self.config, self.lease = config, lease
+        self.config, self.lease, self.on_tick = config, lease, on_tick
         self._task: asyncio.Task[None] | None = None
         self._publish_plan()
 
@@ -96,10 +103,25 @@ class Controller:
         PLAN_INSTANCES.labels("decode").set(plan.num_decode)
         PLAN_INSTANCES.labels("colocated").set(plan.num_colocated)
 
+    async def run_once(self) -> Decision | None:
+        """One tick of the loop, guarded: a tick or hook that raises is logged, not raised
+        (the loop must outlive any one bad tick); the decision, or None when the tick failed."""
+        decision: Decision | None = None
+        try:
+            decision = await self.tick(time.monotonic())  # the clock ``observe`` uses
+        except Exception:  # any bug in one tick; the next may succeed
+            log.exception("controller tick failed")
+        if self.on_tick is not None:
+            try:
+                self.on_tick(decision)
+            except Exception:  # the hook is the caller's; keep the loop
+                log.exception("controller on_tick hook failed")
+        return decision
+
     async def _run(self) -> None:
         while True:
-            await self.tick(time.monotonic())  # the clock ``observe``'s arrivals use
             await asyncio.sleep(self.config.interval_s)
+            await self.run_once()
 
     def start(self) -> None:
         if self.lease is not None:
@@ -114,4 +136,8 @@ class Controller:
                 await self._task
             self._task = None
         if self.lease is not None:
-            await self.lease.stop()
+            try:
+                await self.lease.stop()
+            except (redis.exceptions.RedisError, OSError) as exc:  # it expires on its own
+                log.warning("controller: lease not released", extra={"fields": {
+                    "error": str(exc)}})

@@ -170,12 +170,14 @@ class Policy:
 
     def decide(self, now: float, m: CapacityModel, load: Load, slo: Slo,
                cluster: Cluster) -> Decision:
+        if load.rate <= 0:  # nothing to plan for (and a 0-token load is no service time)
+            return Decision(self.plan, False, "hold: no arrivals in the window", load, 0.0)
         current = score(self.plan, m, load, slo, cluster)
         best = best_plan(m, load, slo, cluster)
         what = (f"load {load.rate:.2f} req/s in {load.input_len:.0f}/{load.output_len:.0f} "
                 f"tokens: best {best.plan} serves {best.capacity:.2f}, {self.plan} serves "
                 f"{current.capacity:.2f}")
-        if best.plan == self.plan or load.rate <= 0:
+        if best.plan == self.plan:
             return Decision(self.plan, False, f"hold: {what}", load, current.capacity)
         if best.capacity < current.capacity * (1 + self.margin):
             return Decision(self.plan, False, f"hold (within {self.margin:.0%} margin): {what}",
