@@ -145,3 +145,22 @@ async def test_the_loop_outlives_a_failed_tick_and_calls_its_hook(
     ctl.on_tick = lambda d: 1 / 0  # a failing hook is logged too; the tick's answer stands
     assert await ctl.run_once() is not None
     assert any(r.getMessage() == "controller on_tick hook failed" for r in caplog.records)
+
+
+@pytest.mark.parametrize(("samples", "why"), [
+    # decode steps of 0.5 s: one sequence past the 50 ms TPOT SLO
+    ([_busy("decode", 1, 0, 1 / 0.5), _busy("decode", 2, 0, 2 / 0.6),
+      _busy("prefill", 1, 3000.0, 0)], "a decode step of one sequence 0.500s > TPOT SLO 0.05s"),
+    # 40 prompt tokens/s: a 1000-token prompt takes 25 s, past the 5 s TTFT SLO
+    ([_busy("decode", 4, 0, 4 / 0.024), _busy("decode", 20, 0, 20 / 0.040),
+      _busy("prefill", 1, 40.0, 0)], "no plan serves 1000/10 tokens within the SLOs"),
+])
+async def test_a_refit_under_which_nothing_serves_is_rejected(
+        samples: list[Sample], why: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Stats of engines idle much of their window look slow; the old model stays.
+    ctl = _controller(DryRunActuator(), CannedStats(samples))
+    with caplog.at_level(logging.INFO, logger="pdserve.controller.loop"):
+        d = await ctl.tick(now=100.0)
+    assert ctl.model == MODEL and d.changed and d.plan == Plan(9, 1)
+    [rejected] = [r for r in caplog.records if "refit rejected" in r.getMessage()]
+    assert rejected.fields["why"].startswith(why)  # type: ignore[attr-defined]

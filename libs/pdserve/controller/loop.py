@@ -27,8 +27,8 @@ from pdserve.controller.actuator import ActuationError, Actuator
 from pdserve.controller.capacity import CalibrationError, CapacityModel, from_stats
 from pdserve.controller.lease import RedisLease
 from pdserve.controller.monitor import ResourceMonitor
-from pdserve.controller.optimizer import Cluster, Decision, Policy, Slo
-from pdserve.controller.predictor import Arrival, WorkloadWindow
+from pdserve.controller.optimizer import Cluster, Decision, Policy, Slo, best_plan
+from pdserve.controller.predictor import Arrival, Load, WorkloadWindow
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,19 @@ PREDICTED_RATE = Gauge("pdserve_controller_predicted_rate", "Forecast arrival ra
 PLAN_CAPACITY = Gauge("pdserve_controller_plan_capacity", "Requests/s the plan in force serves "
                       "within the SLOs at the forecast load (capacity model)")
 IS_LEADER = Gauge("pdserve_controller_leader", "1 while this controller holds the lease")
+
+
+def implausible(m: CapacityModel, load: Load, slo: Slo, cluster: Cluster) -> str:
+    """Why a model fitted from Stats cannot be right, or "". The engines' rates average over
+    their own Stats window, idle time included, so a partly idle engine looks slow; a fit under
+    which no plan serves the forecast mix within the SLOs at all contradicts the requests being
+    served, and would leave the controller nothing to choose."""
+    if m.step_time(1) > slo.tpot_s:
+        return f"a decode step of one sequence {m.step_time(1):.3f}s > TPOT SLO {slo.tpot_s}s"
+    if load.rate > 0 and best_plan(m, load, slo, cluster).capacity <= 0:
+        return (f"no plan serves {load.input_len:.0f}/{load.output_len:.0f} tokens within the "
+                f"SLOs (prefill {m.prefill_tokens_per_s:.0f} tokens/s)")
+    return ""
 
 
 @dataclass(frozen=True)
@@ -65,15 +78,21 @@ class Controller:
         ``arrival.t`` on ``time.monotonic()``)."""
         self.window.add(arrival)
 
-    def _refit(self) -> None:
+    def _refit(self, load: Load) -> None:
         # When the Stats of this window do not determine it, keep the last model.
         with contextlib.suppress(CalibrationError):
-            self.model = from_stats(self.monitor.samples(), self.model.max_batch)
+            model = from_stats(self.monitor.samples(), self.model.max_batch)
+            why = implausible(model, load, self.config.slo, self.cluster)
+            if why:
+                log.info("controller: refit rejected, keeping the model",
+                         extra={"fields": {"why": why}})
+                return
+            self.model = model
 
     async def tick(self, now: float) -> Decision:
         await self.monitor.poll()
-        self._refit()
         load = self.window.forecast(now, self.config.horizon_s)
+        self._refit(load)
         PREDICTED_RATE.set(load.rate)
         leading = self.lease is None or self.lease.is_leader
         IS_LEADER.set(1 if leading else 0)

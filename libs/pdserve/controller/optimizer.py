@@ -159,13 +159,17 @@ class Decision:
 
 class Policy:
     """Adopts the optimizer's plan only when it serves ≥ (1 + margin)× the current plan's
-    capacity at the predicted load and the current plan has been kept ``min_dwell_s``."""
+    capacity at the predicted load and the current plan has been kept ``min_dwell_s`` — or,
+    with ``urgent_dwell_s`` set, only that long while the forecast load exceeds what the current
+    plan serves (its queues grow every second it stays; the better plan must still clear the
+    margin, so two plans that both fall short do not alternate)."""
 
     def __init__(self, initial: Plan, margin: float = 0.1, min_dwell_s: float = 30.0,
-                 now: float = 0.0) -> None:
-        if margin < 0 or min_dwell_s < 0:
-            raise ValueError("margin and min_dwell_s must be >= 0")
+                 now: float = 0.0, urgent_dwell_s: float | None = None) -> None:
+        if margin < 0 or min_dwell_s < 0 or (urgent_dwell_s or 0) < 0:
+            raise ValueError("margin, min_dwell_s and urgent_dwell_s must be >= 0")
         self.plan, self.margin, self.min_dwell_s = initial, margin, min_dwell_s
+        self.urgent_dwell_s = min_dwell_s if urgent_dwell_s is None else urgent_dwell_s
         self.changed_at = now
 
     def decide(self, now: float, m: CapacityModel, load: Load, slo: Slo,
@@ -182,8 +186,9 @@ class Policy:
         if best.capacity < current.capacity * (1 + self.margin):
             return Decision(self.plan, False, f"hold (within {self.margin:.0%} margin): {what}",
                             load, current.capacity)
-        if now - self.changed_at < self.min_dwell_s:
+        dwell = self.urgent_dwell_s if load.rate > current.capacity else self.min_dwell_s
+        if now - self.changed_at < dwell:
             return Decision(self.plan, False, f"hold (dwell {now - self.changed_at:.0f}s < "
-                            f"{self.min_dwell_s:.0f}s): {what}", load, current.capacity)
+                            f"{dwell:.0f}s): {what}", load, current.capacity)
         self.plan, self.changed_at = best.plan, now
         return Decision(best.plan, True, f"switch: {what}", load, best.capacity)

@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--horizon-s", type=float, default=10.0, help="forecast horizon")
     add("--margin", type=float, default=0.1, help="hysteresis: the gain a switch needs")
     add("--min-dwell-s", type=float, default=30.0, help="least time between switches")
+    add("--urgent-dwell-s", type=float, default=None,
+        help="least time between switches while the plan cannot serve the forecast load "
+             "(default: --min-dwell-s)")
     add("--grid-steps", type=int, default=7, help="fixed ratios tried per cluster size")
     add("--json", action="store_true", help="one JSON object per cluster size")
     add("--plot", type=Path, default=None, help="PNG of the controller's decision trace")
@@ -80,6 +83,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     bad = [f"--{k.replace('_', '-')}" for k in positive if getattr(a, k) <= 0]
     if bad:
         p.error(f"{', '.join(bad)} must be > 0")
+    if a.urgent_dwell_s is not None and a.urgent_dwell_s < 0:
+        p.error("--urgent-dwell-s must be >= 0")
     if a.chunk_tokens is not None and a.chunk_tokens < 1:
         p.error("--chunk-tokens must be >= 1")
 
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.validate:
         return _validate(a, model, cfg, slo)
     ctl = {"window_s": a.window_s, "horizon_s": a.horizon_s, "margin": a.margin,
-           "min_dwell_s": a.min_dwell_s}
+           "min_dwell_s": a.min_dwell_s, "urgent_dwell_s": a.urgent_dwell_s}
     for n in a.instances:
         phases = shifting(model, slo, n, cfg, a.phase_s, a.load)
         requests = workload.generate(phases, a.seed, a.burst_cv)
