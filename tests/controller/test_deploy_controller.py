@@ -4,10 +4,9 @@ only it) carries the kubernetes client that ``--controller kubernetes`` imports.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 

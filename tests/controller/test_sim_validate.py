@@ -48,7 +48,7 @@ def _run_file(tmp_path: Path, args: list[str]) -> Path:
                 "tokens_out": 3, "error": None} for i in range(4)]
     path = tmp_path / "stack.json"
     path.write_text(json.dumps({"stack": "s", "args": args,
-                                "runs": [{"rate": 2.0, "results": results}]}))
+                                "runs": [{"rate": 2.0, "requests": results}]}))
     return path
 
 
@@ -69,10 +69,11 @@ def test_validate_rows_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_validate_names_a_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.json"
-    bad.write_text("{}")
-    assert cli.main(["--validate", str(bad)]) == 2
-    assert "not a `pdserve bench compare` runs/<comparison>/<stack>.json file" in \
-        capsys.readouterr().err
+    for text in ("{}", '{"args": [], "runs": [{"rate": 1}]}', "[1"):
+        bad.write_text(text)
+        assert cli.main(["--validate", str(bad)]) == 2
+        assert "not a `pdserve bench compare` runs/<comparison>/<stack>.json file" in \
+            capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["--validate", str(bad), "--time-scale", "0"])
     assert "--time-scale must be > 0" in capsys.readouterr().err

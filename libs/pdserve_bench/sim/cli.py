@@ -13,9 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 
 from pdserve.controller.capacity import (
     CALIBRATION_FILE,

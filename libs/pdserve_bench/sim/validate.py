@@ -69,8 +69,11 @@ def arrangement(args: list[str]) -> Arrangement:
 def load_runs(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
     try:
         doc = json.loads(path.read_text())
-        return [str(a) for a in doc["args"]], list(doc["runs"])
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        runs = list(doc["runs"])
+        for run in runs:
+            float(run["rate"]), list(run["requests"])
+        return [str(a) for a in doc["args"]], runs
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ValidationError(f"{path}: not a `pdserve bench compare` runs/<comparison>/"
                               f"<stack>.json file ({exc})") from None
 
@@ -90,7 +93,7 @@ def _weighted_pct(pairs: list[tuple[float, int]], q: float) -> float:
 
 def simulate(run: dict[str, Any], arr: Arrangement, model: CapacityModel, cfg: SimConfig,
              slo: Slo) -> dict[str, float]:
-    ok = [r for r in run["results"] if r.get("error") is None and r.get("ttft_s") is not None]
+    ok = [r for r in run["requests"] if r.get("error") is None and r.get("ttft_s") is not None]
     requests = [SimRequest(i, float(r["start_s"]), max(1, int(r["tokens_in"])),
                            max(1, int(r["tokens_out"])))
                 for i, r in enumerate(sorted(ok, key=lambda r: r["start_s"]))]
