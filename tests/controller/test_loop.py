@@ -162,5 +162,15 @@ async def test_a_refit_under_which_nothing_serves_is_rejected(
     with caplog.at_level(logging.INFO, logger="pdserve.controller.loop"):
         d = await ctl.tick(now=100.0)
     assert ctl.model == MODEL and d.changed and d.plan == Plan(9, 1)
-    [rejected] = [r for r in caplog.records if "refit rejected" in r.getMessage()]
-    assert rejected.fields["why"].startswith(why)  # type: ignore[attr-defined]
+    [rejected] = [r for r in caplog.records if "model rejected" in r.getMessage()]
+    assert rejected.fields["rejected"].startswith(f"refit: {why}")  # type: ignore[attr-defined]
+    assert rejected.fields["using"] == "in use"  # type: ignore[attr-defined]
+
+
+async def test_a_model_in_use_that_fits_no_longer_falls_back_to_the_calibration() -> None:
+    # A model fitted on another mix (prefill 40 tokens/s: fine for 10-token prompts) is in use;
+    # the 1000-token RAG mix arrives and the Stats determine no fit: the starting model returns.
+    ctl = _controller(DryRunActuator(), CannedStats([]))
+    ctl.model = CapacityModel(0.0, 40.0, 0.010, 0.001, max_batch=40)
+    d = await ctl.tick(now=100.0)
+    assert ctl.model == MODEL and d.changed and d.plan == Plan(9, 1)

@@ -68,6 +68,7 @@ class Controller:
                  lease: RedisLease | None = None,
                  on_tick: Callable[[Decision | None], None] | None = None) -> None:
         self.monitor, self.window, self.model = monitor, window, model
+        self.base_model = model  # the calibration it started from: the fallback
         self.policy, self.cluster, self.actuator = policy, cluster, actuator
         self.config, self.lease, self.on_tick = config, lease, on_tick
         self._task: asyncio.Task[None] | None = None
@@ -79,15 +80,28 @@ class Controller:
         self.window.add(arrival)
 
     def _refit(self, load: Load) -> None:
-        # When the Stats of this window do not determine it, keep the last model.
-        with contextlib.suppress(CalibrationError):
-            model = from_stats(self.monitor.samples(), self.model.max_batch)
-            why = implausible(model, load, self.config.slo, self.cluster)
-            if why:
-                log.info("controller: refit rejected, keeping the model",
-                         extra={"fields": {"why": why}})
+        """The first plausible model for this load: a fresh fit from the window's Stats, the
+        model in use, the calibration it started from (one plausible for another mix may not
+        be for this one). When the Stats do not determine a fit, the model in use is kept."""
+        slo, candidates = self.config.slo, []
+        try:
+            candidates.append(("refit", from_stats(self.monitor.samples(),
+                                                   self.model.max_batch)))
+        except CalibrationError:
+            pass
+        candidates += [("in use", self.model), ("starting calibration", self.base_model)]
+        rejected = []
+        for name, model in candidates:
+            why = implausible(model, load, slo, self.cluster)
+            if not why:
+                if rejected:
+                    log.info("controller: model rejected", extra={"fields": {
+                        "rejected": "; ".join(rejected), "using": name}})
+                self.model = model
                 return
-            self.model = model
+            rejected.append(f"{name}: {why}")
+        log.info("controller: no plausible model, keeping the one in use",
+                 extra={"fields": {"rejected": "; ".join(rejected)}})
 
     async def tick(self, now: float) -> Decision:
         await self.monitor.poll()
