@@ -112,7 +112,7 @@ def test_no_arrivals_hold_the_plan_without_scoring_an_empty_load() -> None:
     policy = Policy(Plan(1, 1), 0.1, 0.0)
     d = policy.decide(100.0, m, Load(0.0, 0.0, 0.0), Slo(1.0, 0.1),
                       Cluster(2, allow_colocated=False))
-    assert (d.plan, d.changed, d.reason) == (Plan(1, 1), False, "hold: no arrivals in the window")
+    assert (d.plan, d.changed, d.reason) == (Plan(1, 1), False, "hold: no load forecast (0 req/s)")
 
 
 @pytest.mark.parametrize(("rate", "changed", "reason"), [

@@ -174,8 +174,8 @@ class Policy:
 
     def decide(self, now: float, m: CapacityModel, load: Load, slo: Slo,
                cluster: Cluster) -> Decision:
-        if load.rate <= 0:  # nothing to plan for (and a 0-token load is no service time)
-            return Decision(self.plan, False, "hold: no arrivals in the window", load, 0.0)
+        if load.rate <= 0:  # no arrivals, or a falling trend clamped at 0: nothing to plan for
+            return Decision(self.plan, False, "hold: no load forecast (0 req/s)", load, 0.0)
         current = score(self.plan, m, load, slo, cluster)
         best = best_plan(m, load, slo, cluster)
         what = (f"load {load.rate:.2f} req/s in {load.input_len:.0f}/{load.output_len:.0f} "
