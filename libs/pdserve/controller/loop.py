@@ -82,15 +82,13 @@ class Controller:
     def _refit(self, load: Load) -> None:
         """The first plausible model for this load: a fresh fit from the window's Stats, the
         model in use, the calibration it started from (one plausible for another mix may not
-        be for this one). When the Stats do not determine a fit, the model in use is kept."""
+        be for this one); when none is, the model in use is kept."""
         slo, candidates = self.config.slo, []
-        try:
+        with contextlib.suppress(CalibrationError):
             candidates.append(("refit", from_stats(self.monitor.samples(),
                                                    self.model.max_batch)))
-        except CalibrationError:
-            pass
         candidates += [("in use", self.model), ("starting calibration", self.base_model)]
-        rejected = []
+        rejected: list[str] = []
         for name, model in candidates:
             why = implausible(model, load, slo, self.cluster)
             if not why:
