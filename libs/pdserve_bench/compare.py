@@ -33,7 +33,7 @@ from pdserve_bench.configs import BenchConfig, Comparison, ConfigError, StackCon
 from pdserve_bench.report import ComparisonResult, SideResult, write_report
 from pdserve_bench.runner import RunResult, Target, run_load_async, write_json
 from pdserve_bench.stack import StackError, StackProcess
-from pdserve_bench.workload import PromptMaker
+from pdserve_bench.workload import PromptMaker, WorkloadSpec
 
 DEFAULT_CONFIG = Path("bench/configs/default.toml")
 
@@ -202,11 +202,17 @@ def main(argv: list[str] | None = None) -> int:
                                                              else argv)])
     results: list[ComparisonResult] = []
     try:
+        # A stack already run on the same workload in this invocation is not run again: two
+        # comparisons sharing a side (A vs C, B vs C) measure C once, in the same run.
+        done: dict[tuple[WorkloadSpec, str], SideResult] = {}
         for cmp in cfg.comparisons:
-            sides = [run_side(cfg, cmp, cfg.stacks[name], ns.out_dir, maker, profile=ns.profile,
-                              progress=not ns.no_progress)
-                     for name in (cmp.baseline, cmp.candidate)]
-            results.append(ComparisonResult(cmp, sides[0], sides[1]))
+            for name in (cmp.baseline, cmp.candidate):
+                if (cmp.workload, name) not in done:
+                    done[cmp.workload, name] = run_side(
+                        cfg, cmp, cfg.stacks[name], ns.out_dir, maker, profile=ns.profile,
+                        progress=not ns.no_progress)
+            results.append(ComparisonResult(cmp, done[cmp.workload, cmp.baseline],
+                                            done[cmp.workload, cmp.candidate]))
     except StackError as e:
         print(f"pdserve bench compare: error: {e}", file=sys.stderr)
         return 1

@@ -5,7 +5,9 @@ of ``chat``, ``rag`` or ``mixed`` has one turn, a ``multiturn`` one has several,
 turn is sent only after the previous answer finished (the client then appends that answer and
 a new user message, so every turn's prompt starts with the whole previous prompt). For
 multiturn the conversation rate is ``rate / mean turns``, so the offered request rate stays
-``rate`` while the server keeps up.
+``rate`` while the server keeps up. ``shifting`` changes its mix half-way (by request count, or
+by time with a duration): prompt-heavy ``rag`` turns first, then answer-heavy ``chat`` turns —
+the load a P:D controller should follow (issue 15).
 
 Prompt text is drawn from a fixed word list with ``random.Random(seed)``: no dataset, same seed
 -> same plan. Token counts are approximate (``tokens_per_word``) unless a tokenizer is given,
@@ -21,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-WORKLOADS = ("chat", "rag", "mixed", "multiturn")
+WORKLOADS = ("chat", "rag", "mixed", "multiturn", "shifting")
 
 # Common short English words: each is a single token for most BPE vocabularies.
 _WORD_TEXT = """
@@ -178,14 +180,16 @@ class PromptMaker:
         return " ".join(words)
 
 
-def _turns(spec: WorkloadSpec, rng: random.Random, maker: PromptMaker) -> list[Turn]:
+def _turns(spec: WorkloadSpec, rng: random.Random, maker: PromptMaker,
+           late: bool = False) -> list[Turn]:
     def turn(kind: str, inp: LengthRange, out: LengthRange) -> Turn:
         n = inp.draw(rng)
         return Turn(kind, maker.make(rng, n), n, out.draw(rng))
 
-    if spec.name == "chat" or (spec.name == "mixed" and rng.random() >= spec.rag_fraction):
+    if spec.name == "chat" or (spec.name == "mixed" and rng.random() >= spec.rag_fraction) or (
+            spec.name == "shifting" and late):
         return [turn("chat", spec.chat_input, spec.chat_output)]
-    if spec.name in ("rag", "mixed"):
+    if spec.name in ("rag", "mixed", "shifting"):
         return [turn("rag", spec.rag_input, spec.rag_output)]
     num_turns = spec.turns.draw(rng)
     first = turn("turn", spec.first_turn_input, spec.turn_output)
@@ -223,7 +227,9 @@ def make_plan(
             t += rng.expovariate(conv_rate)
         if duration_s is not None and t > duration_s:
             break
-        turns = _turns(spec, rng, maker)
+        late = (total >= num_requests / 2 if num_requests is not None
+                else duration_s is not None and t >= duration_s / 2)
+        turns = _turns(spec, rng, maker, late)
         if num_requests is not None:
             turns = turns[: num_requests - total]
         conversations.append(Conversation(len(conversations), t, tuple(turns)))

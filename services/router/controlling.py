@@ -2,7 +2,8 @@
 
     RouterController   built from the router's settings and its InstancePool; ``start`` after
                        the pool's first poll (the plan in force is the flex engines' roles
-                       then), a loop of ``Controller.tick`` every --controller-interval
+                       then) builds the ``Controller`` and starts its loop (the one loop:
+                       a tick every --controller-interval), with ``_after_tick`` as its hook
       PoolStatsSource  the monitor's samples: the Stats the router's own poll fetched (no
                        second poll of the engines)
       PoolActuator     in place: Drain → SetRole on the pool's flex engines, over the router's
@@ -15,8 +16,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -36,7 +35,7 @@ from pdserve.controller.monitor import (
     StatsSource,
     sample_from_proto,
 )
-from pdserve.controller.optimizer import Cluster, Plan, Policy, Slo
+from pdserve.controller.optimizer import Cluster, Decision, Plan, Policy, Slo
 from pdserve.controller.predictor import Arrival, WorkloadWindow
 from pdserve.proto.v1 import engine_pb2_grpc
 from services.router.config import RouterConfig
@@ -118,7 +117,6 @@ class RouterController:
             self.lease = RedisLease(pool.redis, f"{config.registry_prefix}controller:leader",
                                     holder, config.controller_lease_ms)
         self.controller: Controller | None = None
-        self._task: asyncio.Task[None] | None = None
 
     def arrived(self, prompt_tokens: int, max_tokens: int) -> None:
         self.window.add(Arrival(time.monotonic(), prompt_tokens, max_tokens))
@@ -141,7 +139,8 @@ class RouterController:
                         now=time.monotonic())
         monitor = ResourceMonitor(PoolStatsSource(self.pool), self.config.controller_window)
         return Controller(monitor, self.window, self.model, policy, cluster,
-                          make_actuator(self.config, self.pool), loop_config, self.lease)
+                          make_actuator(self.config, self.pool), loop_config, self.lease,
+                          on_tick=self._after_tick)
 
     def current_model(self) -> CapacityModel:
         """The model in use: the loop's latest refit, or the one it starts from."""
@@ -152,31 +151,18 @@ class RouterController:
         log.info("controller started", extra={"fields": {
             "mode": self.config.controller, "plan": str(self.controller.policy.plan),
             "leader_election": self.lease is not None}})
-        if self.lease is not None:
-            self.lease.start()
-        self._task = asyncio.create_task(self._run(self.controller))
+        self.controller.start()
 
-    async def _run(self, controller: Controller) -> None:
-        while True:
-            await asyncio.sleep(self.config.controller_interval)
-            try:
-                await controller.tick(time.monotonic())
-            except Exception:  # the loop must outlive any one bad tick
-                log.exception("controller tick failed")
-            s = self.latency.summary(time.monotonic())
-            log.info("controller latency", extra={"fields": {
-                "requests": s.count, "ttft_p99_s": s.ttft_p99_s, "tpot_p50_s": s.tpot_p50_s,
-                "itl_p99_s": s.itl_p99_s, "slo_attainment": s.slo_attainment}})
+    def _after_tick(self, decision: Decision | None) -> None:
+        """The loop's hook: the latency the router measured, next to the decision line."""
+        s = self.latency.summary(time.monotonic())
+        log.info("controller latency", extra={"fields": {
+            "requests": s.count, "ttft_p99_s": s.ttft_p99_s, "tpot_p50_s": s.tpot_p50_s,
+            "itl_p99_s": s.itl_p99_s, "slo_attainment": s.slo_attainment}})
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self.lease is not None:
-            with contextlib.suppress(Exception):
-                await self.lease.stop()
+        if self.controller is not None:
+            await self.controller.stop()
 
 
 def maybe_controller(config: RouterConfig, pool: InstancePool) -> RouterController | None:

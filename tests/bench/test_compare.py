@@ -212,3 +212,31 @@ def test_profile_summaries(tmp_path: Path) -> None:
     raw.write_text("main;step;matmul 30\nmain;step;attention 10\nmain;recv 60\n")
     spy = summarize_pyspy(raw)
     assert "100 samples" in spy and spy.index("recv") < spy.index("matmul")
+
+
+def test_a_stack_shared_by_two_comparisons_runs_once(tmp_path: Path) -> None:
+    cfg = _write_configs(tmp_path, stacks={"slow": '["--itl-ms", "6"]', "fast": '["--itl-ms", "1"]',
+                                           "mid": '["--itl-ms", "3"]'})
+    cfg.write_text(cfg.read_text() + """
+[[comparison]]
+name = "speed-mid"
+workload = "chat"
+baseline = "mid"
+candidate = "fast"
+metric = "itl_p50_ms"
+min_reduction = 0.0
+""")
+    out = tmp_path / "results"
+    assert main(["--config", str(cfg), "--out-dir", str(out), "--no-progress"]) == 0
+    assert sorted(p.name for p in (out / "logs").iterdir()) == [
+        "speed-fast.log", "speed-mid-mid.log", "speed-slow.log"]  # fast ran once, not twice
+    a, b = json.loads((out / "report.json").read_text())["comparisons"]
+    assert a["configurations"]["fast"] == b["configurations"]["fast"]
+
+
+def test_shipped_controller_shifting_config_loads() -> None:
+    cfg = load_config(Path(__file__).resolve().parents[2] /
+                      "bench/configs/controller-shifting.toml")
+    assert {c.workload.name for c in cfg.comparisons} == {"shifting"}
+    assert set(cfg.stacks) >= {"colocated3", "fixed_2p1d", "flex3_controller"}
+    assert "--controller" in cfg.stacks["flex3_controller"].args

@@ -122,3 +122,17 @@ def test_prompt_maker_hits_exact_counts_with_a_tokenizer() -> None:
 def test_bad_fields_are_named(build, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_shifting_sends_prompt_heavy_then_answer_heavy_halves() -> None:
+    spec = WorkloadSpec("shifting")
+    plan = make_plan(spec, 4.0, seed=3, num_requests=40)
+    kinds = [c.turns[0].kind for c in plan.conversations]
+    assert kinds == ["rag"] * 20 + ["chat"] * 20
+    for c in plan.conversations:
+        t = c.turns[0]
+        inp, out = ((spec.rag_input, spec.rag_output) if t.kind == "rag"
+                    else (spec.chat_input, spec.chat_output))
+        assert inp.lo <= t.input_tokens <= inp.hi and out.lo <= t.max_tokens <= out.hi
+    timed = make_plan(spec, 4.0, seed=3, duration_s=20.0)  # by time with a duration
+    assert all((c.turns[0].kind == "chat") == (c.arrival_s >= 10.0) for c in timed.conversations)

@@ -106,3 +106,71 @@ async def test_the_model_is_refit_from_stats_when_they_determine_it() -> None:
     assert ctl.model.prefill_tokens_per_s == pytest.approx(3000)
     assert ctl.model.decode_base_s == pytest.approx(0.020)
     assert ctl.model.decode_per_seq_s == pytest.approx(0.001)
+
+
+class FailingOnce(StatsSource):
+    """Raises on its first poll (a bug in one tick), then answers."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    async def sample(self) -> list[Sample]:
+        self.polls += 1
+        if self.polls == 1:
+            raise RuntimeError("boom")
+        return []
+
+
+async def test_the_loop_outlives_a_failed_tick_and_calls_its_hook(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import asyncio
+
+    from pdserve.controller.optimizer import Decision
+
+    seen: list[Decision | None] = []
+    source = FailingOnce()
+    ctl = _controller(DryRunActuator(), source)
+    ctl.config = LoopConfig(interval_s=0.05, horizon_s=0, slo=CONFIG.slo)
+    ctl.on_tick = seen.append
+    with caplog.at_level(logging.INFO, logger="pdserve.controller.loop"):
+        ctl.start()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if len(seen) >= 3:
+                break
+        await ctl.stop()
+    assert seen[0] is None and all(d is not None for d in seen[1:3])
+    assert any(r.getMessage() == "controller tick failed" and r.exc_info for r in caplog.records)
+    assert source.polls >= 3
+    ctl.on_tick = lambda d: 1 / 0  # a failing hook is logged too; the tick's answer stands
+    assert await ctl.run_once() is not None
+    assert any(r.getMessage() == "controller on_tick hook failed" for r in caplog.records)
+
+
+@pytest.mark.parametrize(("samples", "why"), [
+    # decode steps of 0.5 s: one sequence past the 50 ms TPOT SLO
+    ([_busy("decode", 1, 0, 1 / 0.5), _busy("decode", 2, 0, 2 / 0.6),
+      _busy("prefill", 1, 3000.0, 0)], "a decode step of one sequence 0.500s > TPOT SLO 0.05s"),
+    # 40 prompt tokens/s: a 1000-token prompt takes 25 s, past the 5 s TTFT SLO
+    ([_busy("decode", 4, 0, 4 / 0.024), _busy("decode", 20, 0, 20 / 0.040),
+      _busy("prefill", 1, 40.0, 0)], "no plan serves 1000/10 tokens within the SLOs"),
+])
+async def test_a_refit_under_which_nothing_serves_is_rejected(
+        samples: list[Sample], why: str, caplog: pytest.LogCaptureFixture) -> None:
+    # Stats of engines idle much of their window look slow; the old model stays.
+    ctl = _controller(DryRunActuator(), CannedStats(samples))
+    with caplog.at_level(logging.INFO, logger="pdserve.controller.loop"):
+        d = await ctl.tick(now=100.0)
+    assert ctl.model == MODEL and d.changed and d.plan == Plan(9, 1)
+    [rejected] = [r for r in caplog.records if "model rejected" in r.getMessage()]
+    assert rejected.fields["rejected"].startswith(f"refit: {why}")  # type: ignore[attr-defined]
+    assert rejected.fields["using"] == "in use"  # type: ignore[attr-defined]
+
+
+async def test_a_model_in_use_that_fits_no_longer_falls_back_to_the_calibration() -> None:
+    # A model fitted on another mix (prefill 40 tokens/s: fine for 10-token prompts) is in use;
+    # the 1000-token RAG mix arrives and the Stats determine no fit: the starting model returns.
+    ctl = _controller(DryRunActuator(), CannedStats([]))
+    ctl.model = CapacityModel(0.0, 40.0, 0.010, 0.001, max_batch=40)
+    d = await ctl.tick(now=100.0)
+    assert ctl.model == MODEL and d.changed and d.plan == Plan(9, 1)

@@ -103,3 +103,41 @@ def test_policy_never_flaps_under_an_alternating_load() -> None:
             switches.append(tick)
     assert len(switches) <= 120 // 30
     assert all(b - a >= 30 for a, b in zip(switches, switches[1:], strict=False))
+
+
+def test_no_arrivals_hold_the_plan_without_scoring_an_empty_load() -> None:
+    # A model without prefill overhead scores a 0-token prompt as 0 s of service: the policy
+    # must not divide by it (an idle router's first ticks see no arrivals).
+    m = CapacityModel(0.0, 1000.0, 0.010, 0.001, max_batch=40)
+    policy = Policy(Plan(1, 1), 0.1, 0.0)
+    d = policy.decide(100.0, m, Load(0.0, 0.0, 0.0), Slo(1.0, 0.1),
+                      Cluster(2, allow_colocated=False))
+    assert (d.plan, d.changed, d.reason) == (Plan(1, 1), False, "hold: no load forecast (0 req/s)")
+
+
+@pytest.mark.parametrize(("rate", "changed", "reason"), [
+    (3.0, False, "hold (dwell 10s < 30s)"),  # p=5 d=5 serves 4.44: it keeps up, full dwell
+    (6.0, True, "switch: "),  # it cannot keep up: the urgent dwell (5 s) applies
+])
+def test_an_overloaded_plan_waits_only_the_urgent_dwell(rate: float, changed: bool,
+                                                        reason: str) -> None:
+    policy = Policy(Plan(5, 5), margin=0.1, min_dwell_s=30, now=0, urgent_dwell_s=5)
+    load = Load(rate, RAG.input_len, RAG.output_len)
+    d = policy.decide(4, MODEL, load, Slo(5.0, 0.05), DISAGG_ONLY)
+    assert not d.changed and d.reason.startswith("hold (dwell 4s < ")
+    d = policy.decide(10, MODEL, load, Slo(5.0, 0.05), DISAGG_ONLY)
+    assert d.changed == changed and d.reason.startswith(reason)
+
+
+def test_urgent_dwell_does_not_flap_between_two_short_plans() -> None:
+    # Both mixes far past what any split serves: every plan is overloaded, so only the margin
+    # stands between them; the switches follow the mix, at most one per urgent dwell.
+    policy = Policy(Plan(5, 5), margin=0.1, min_dwell_s=30, now=0, urgent_dwell_s=5)
+    switches = []
+    for tick in range(60):
+        base = RAG if (tick // 20) % 2 == 0 else LONG  # the mix changes every 20 s
+        load = Load(1000.0, base.input_len, base.output_len)
+        if policy.decide(float(tick), MODEL, load, Slo(5.0, 0.05), DISAGG_ONLY).changed:
+            switches.append(tick)
+    assert len(switches) <= 3 and all(b - a >= 5 for a, b in zip(switches, switches[1:],
+                                                                  strict=False))

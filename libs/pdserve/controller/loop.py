@@ -5,6 +5,10 @@ it (else keeps the last model: the bench calibration it started from), forecasts
 ``horizon_s`` ahead from the router's admitted requests, lets the ``Policy`` decide, and — only
 while this router holds the lease (or when there is no lease) — applies a changed plan. Every
 tick logs ``controller decision: p=2 d=1 reason=...`` and updates the metrics below.
+
+``start`` runs the one loop (the router's ``--controller`` too): sleep ``interval_s``, tick,
+then call the ``on_tick`` hook (the router logs its latency summary there). A tick that raises
+is logged and the loop goes on; so is a hook that raises.
 """
 
 from __future__ import annotations
@@ -13,16 +17,18 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis.exceptions
 from prometheus_client import Counter, Gauge
 
 from pdserve.controller.actuator import ActuationError, Actuator
 from pdserve.controller.capacity import CalibrationError, CapacityModel, from_stats
 from pdserve.controller.lease import RedisLease
 from pdserve.controller.monitor import ResourceMonitor
-from pdserve.controller.optimizer import Cluster, Decision, Policy, Slo
-from pdserve.controller.predictor import Arrival, WorkloadWindow
+from pdserve.controller.optimizer import Cluster, Decision, Policy, Slo, best_plan
+from pdserve.controller.predictor import Arrival, Load, WorkloadWindow
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,19 @@ PLAN_CAPACITY = Gauge("pdserve_controller_plan_capacity", "Requests/s the plan i
 IS_LEADER = Gauge("pdserve_controller_leader", "1 while this controller holds the lease")
 
 
+def implausible(m: CapacityModel, load: Load, slo: Slo, cluster: Cluster) -> str:
+    """Why a model fitted from Stats cannot be right, or "". The engines' rates average over
+    their own Stats window, idle time included, so a partly idle engine looks slow; a fit under
+    which no plan serves the forecast mix within the SLOs at all contradicts the requests being
+    served, and would leave the controller nothing to choose."""
+    if m.step_time(1) > slo.tpot_s:
+        return f"a decode step of one sequence {m.step_time(1):.3f}s > TPOT SLO {slo.tpot_s}s"
+    if load.rate > 0 and best_plan(m, load, slo, cluster).capacity <= 0:
+        return (f"no plan serves {load.input_len:.0f}/{load.output_len:.0f} tokens within the "
+                f"SLOs (prefill {m.prefill_tokens_per_s:.0f} tokens/s)")
+    return ""
+
+
 @dataclass(frozen=True)
 class LoopConfig:
     interval_s: float = 10.0
@@ -46,10 +65,12 @@ class LoopConfig:
 class Controller:
     def __init__(self, monitor: ResourceMonitor, window: WorkloadWindow, model: CapacityModel,
                  policy: Policy, cluster: Cluster, actuator: Actuator, config: LoopConfig,
-                 lease: RedisLease | None = None) -> None:
+                 lease: RedisLease | None = None,
+                 on_tick: Callable[[Decision | None], None] | None = None) -> None:
         self.monitor, self.window, self.model = monitor, window, model
+        self.base_model = model  # the calibration it started from: the fallback
         self.policy, self.cluster, self.actuator = policy, cluster, actuator
-        self.config, self.lease = config, lease
+        self.config, self.lease, self.on_tick = config, lease, on_tick
         self._task: asyncio.Task[None] | None = None
         self._publish_plan()
 
@@ -58,15 +79,32 @@ class Controller:
         ``arrival.t`` on ``time.monotonic()``)."""
         self.window.add(arrival)
 
-    def _refit(self) -> None:
-        # When the Stats of this window do not determine it, keep the last model.
+    def _refit(self, load: Load) -> None:
+        """The first plausible model for this load: a fresh fit from the window's Stats, the
+        model in use, the calibration it started from (one plausible for another mix may not
+        be for this one); when none is, the model in use is kept."""
+        slo, candidates = self.config.slo, []
         with contextlib.suppress(CalibrationError):
-            self.model = from_stats(self.monitor.samples(), self.model.max_batch)
+            candidates.append(("refit", from_stats(self.monitor.samples(),
+                                                   self.model.max_batch)))
+        candidates += [("in use", self.model), ("starting calibration", self.base_model)]
+        rejected: list[str] = []
+        for name, model in candidates:
+            why = implausible(model, load, slo, self.cluster)
+            if not why:
+                if rejected:
+                    log.info("controller: model rejected", extra={"fields": {
+                        "rejected": "; ".join(rejected), "using": name}})
+                self.model = model
+                return
+            rejected.append(f"{name}: {why}")
+        log.info("controller: no plausible model, keeping the one in use",
+                 extra={"fields": {"rejected": "; ".join(rejected)}})
 
     async def tick(self, now: float) -> Decision:
         await self.monitor.poll()
-        self._refit()
         load = self.window.forecast(now, self.config.horizon_s)
+        self._refit(load)
         PREDICTED_RATE.set(load.rate)
         leading = self.lease is None or self.lease.is_leader
         IS_LEADER.set(1 if leading else 0)
@@ -96,10 +134,25 @@ class Controller:
         PLAN_INSTANCES.labels("decode").set(plan.num_decode)
         PLAN_INSTANCES.labels("colocated").set(plan.num_colocated)
 
+    async def run_once(self) -> Decision | None:
+        """One tick of the loop, guarded: a tick or hook that raises is logged, not raised
+        (the loop must outlive any one bad tick); the decision, or None when the tick failed."""
+        decision: Decision | None = None
+        try:
+            decision = await self.tick(time.monotonic())  # the clock ``observe`` uses
+        except Exception:  # any bug in one tick; the next may succeed
+            log.exception("controller tick failed")
+        if self.on_tick is not None:
+            try:
+                self.on_tick(decision)
+            except Exception:  # the hook is the caller's; keep the loop
+                log.exception("controller on_tick hook failed")
+        return decision
+
     async def _run(self) -> None:
         while True:
-            await self.tick(time.monotonic())  # the clock ``observe``'s arrivals use
             await asyncio.sleep(self.config.interval_s)
+            await self.run_once()
 
     def start(self) -> None:
         if self.lease is not None:
@@ -114,4 +167,8 @@ class Controller:
                 await self._task
             self._task = None
         if self.lease is not None:
-            await self.lease.stop()
+            try:
+                await self.lease.stop()
+            except (redis.exceptions.RedisError, OSError) as exc:  # it expires on its own
+                log.warning("controller: lease not released", extra={"fields": {
+                    "error": str(exc)}})

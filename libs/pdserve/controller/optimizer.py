@@ -159,29 +159,36 @@ class Decision:
 
 class Policy:
     """Adopts the optimizer's plan only when it serves ≥ (1 + margin)× the current plan's
-    capacity at the predicted load and the current plan has been kept ``min_dwell_s``."""
+    capacity at the predicted load and the current plan has been kept ``min_dwell_s`` — or,
+    with ``urgent_dwell_s`` set, only that long while the forecast load exceeds what the current
+    plan serves (its queues grow every second it stays; the better plan must still clear the
+    margin, so two plans that both fall short do not alternate)."""
 
     def __init__(self, initial: Plan, margin: float = 0.1, min_dwell_s: float = 30.0,
-                 now: float = 0.0) -> None:
-        if margin < 0 or min_dwell_s < 0:
-            raise ValueError("margin and min_dwell_s must be >= 0")
+                 now: float = 0.0, urgent_dwell_s: float | None = None) -> None:
+        if margin < 0 or min_dwell_s < 0 or (urgent_dwell_s or 0) < 0:
+            raise ValueError("margin, min_dwell_s and urgent_dwell_s must be >= 0")
         self.plan, self.margin, self.min_dwell_s = initial, margin, min_dwell_s
+        self.urgent_dwell_s = min_dwell_s if urgent_dwell_s is None else urgent_dwell_s
         self.changed_at = now
 
     def decide(self, now: float, m: CapacityModel, load: Load, slo: Slo,
                cluster: Cluster) -> Decision:
+        if load.rate <= 0:  # no arrivals, or a falling trend clamped at 0: nothing to plan for
+            return Decision(self.plan, False, "hold: no load forecast (0 req/s)", load, 0.0)
         current = score(self.plan, m, load, slo, cluster)
         best = best_plan(m, load, slo, cluster)
         what = (f"load {load.rate:.2f} req/s in {load.input_len:.0f}/{load.output_len:.0f} "
                 f"tokens: best {best.plan} serves {best.capacity:.2f}, {self.plan} serves "
                 f"{current.capacity:.2f}")
-        if best.plan == self.plan or load.rate <= 0:
+        if best.plan == self.plan:
             return Decision(self.plan, False, f"hold: {what}", load, current.capacity)
         if best.capacity < current.capacity * (1 + self.margin):
             return Decision(self.plan, False, f"hold (within {self.margin:.0%} margin): {what}",
                             load, current.capacity)
-        if now - self.changed_at < self.min_dwell_s:
+        dwell = self.urgent_dwell_s if load.rate > current.capacity else self.min_dwell_s
+        if now - self.changed_at < dwell:
             return Decision(self.plan, False, f"hold (dwell {now - self.changed_at:.0f}s < "
-                            f"{self.min_dwell_s:.0f}s): {what}", load, current.capacity)
+                            f"{dwell:.0f}s): {what}", load, current.capacity)
         self.plan, self.changed_at = best.plan, now
         return Decision(best.plan, True, f"switch: {what}", load, best.capacity)

@@ -4,6 +4,8 @@ The per-instance costs come from a ``pdserve bench engine --json`` run (``--cali
 default the 2-core measurement docs/benchmarks.md reports, shipped beside this module), fitted
 by least squares into the controller's own capacity model. Prints a table, or JSON with
 ``--json``; ``--plot trace.png`` draws the controller's decision trace (ratio vs load).
+``--validate RUN.json ...`` replays measured ``pdserve bench compare`` runs instead and prints
+the simulated TTFT/ITL percentiles beside the measured ones (``validate.py``).
 """
 
 from __future__ import annotations
@@ -11,13 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from pdserve.controller.capacity import CALIBRATION_FILE, CalibrationError, from_bench_lines
+from pdserve.controller.capacity import (
+    CALIBRATION_FILE,
+    CalibrationError,
+    CapacityModel,
+    from_bench_lines,
+)
 from pdserve.controller.optimizer import Slo
 from pdserve_bench.sim import workload
 from pdserve_bench.sim.cluster import SimConfig
 from pdserve_bench.sim.evaluate import Evaluation, evaluate, shifting
+from pdserve_bench.sim.validate import ValidationError, format_rows, validate
 
 DEFAULT_CALIBRATION = Path(CALIBRATION_FILE)
 
@@ -46,9 +55,20 @@ def _parser() -> argparse.ArgumentParser:
     add("--horizon-s", type=float, default=10.0, help="forecast horizon")
     add("--margin", type=float, default=0.1, help="hysteresis: the gain a switch needs")
     add("--min-dwell-s", type=float, default=30.0, help="least time between switches")
+    add("--urgent-dwell-s", type=float, default=None,
+        help="least time between switches while the plan cannot serve the forecast load "
+             "(default: --min-dwell-s)")
     add("--grid-steps", type=int, default=7, help="fixed ratios tried per cluster size")
     add("--json", action="store_true", help="one JSON object per cluster size")
     add("--plot", type=Path, default=None, help="PNG of the controller's decision trace")
+    add("--validate", type=Path, nargs="+", default=[], metavar="RUN.json",
+        help="replay these `pdserve bench compare` runs/<comparison>/<stack>.json files and "
+             "compare simulated TTFT/ITL percentiles with the measured ones")
+    add("--chunk-tokens", type=int, default=None,
+        help="prompt tokens per prefill batch / colocated step (default 2048; with --validate "
+             "512, the engines' --max-num-batched-tokens default)")
+    add("--time-scale", type=float, default=1.0,
+        help="multiply every calibrated cost (engines sharing cores run slower than the bench)")
     return p
 
 
@@ -58,10 +78,14 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if not a.calibration.is_file():
         p.error(f"--calibration {a.calibration}: no such file")
     positive = ("phase_s", "load", "burst_cv", "ttft_slo", "tpot_slo", "link_gbps", "block_mib",
-                "interval_s", "window_s")
+                "interval_s", "window_s", "time_scale")
     bad = [f"--{k.replace('_', '-')}" for k in positive if getattr(a, k) <= 0]
     if bad:
         p.error(f"{', '.join(bad)} must be > 0")
+    if a.urgent_dwell_s is not None and a.urgent_dwell_s < 0:
+        p.error("--urgent-dwell-s must be >= 0")
+    if a.chunk_tokens is not None and a.chunk_tokens < 1:
+        p.error("--chunk-tokens must be >= 1")
 
 
 def format_table(e: Evaluation, phases: list[str]) -> str:
@@ -91,11 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     except (CalibrationError, json.JSONDecodeError) as exc:
         sys.stderr.write(f"pdserve sim: error: --calibration {a.calibration}: {exc}\n")
         return 2
+    model = _scaled(model, a.time_scale)
     slo = Slo(a.ttft_slo, a.tpot_slo)
-    cfg = SimConfig(block_bytes=a.block_mib * (1 << 20), link_bytes_per_s=a.link_gbps * 1.25e8,
-                    switch_s=a.switch_s)
+    chunk = a.chunk_tokens or (512 if a.validate else 2048)
+    cfg = SimConfig(chunk_tokens=chunk, block_bytes=a.block_mib * (1 << 20),
+                    link_bytes_per_s=a.link_gbps * 1.25e8, switch_s=a.switch_s)
+    if a.validate:
+        return _validate(a, model, cfg, slo)
     ctl = {"window_s": a.window_s, "horizon_s": a.horizon_s, "margin": a.margin,
-           "min_dwell_s": a.min_dwell_s}
+           "min_dwell_s": a.min_dwell_s, "urgent_dwell_s": a.urgent_dwell_s}
     for n in a.instances:
         phases = shifting(model, slo, n, cfg, a.phase_s, a.load)
         requests = workload.generate(phases, a.seed, a.burst_cv)
@@ -113,4 +141,28 @@ def main(argv: list[str] | None = None) -> int:
             path = a.plot if len(a.instances) == 1 else a.plot.with_stem(f"{a.plot.stem}-{n}")
             trace_plot(path, e)
             print(f"decision trace: {path}", file=sys.stderr)
+    return 0
+
+
+def _scaled(m: CapacityModel, k: float) -> CapacityModel:
+    return replace(m, prefill_overhead_s=m.prefill_overhead_s * k,
+                   prefill_tokens_per_s=m.prefill_tokens_per_s / k,
+                   decode_base_s=m.decode_base_s * k, decode_per_seq_s=m.decode_per_seq_s * k)
+
+
+def _validate(a: argparse.Namespace, model: CapacityModel, cfg: SimConfig, slo: Slo) -> int:
+    print(f"model: prefill {model.prefill_tokens_per_s:.0f} tok/s + "
+          f"{model.prefill_overhead_s * 1000:.1f} ms/batch; decode step "
+          f"{model.decode_base_s * 1000:.1f} ms + {model.decode_per_seq_s * 1000:.2f} ms/seq "
+          f"(time scale {a.time_scale:g}); chunk {cfg.chunk_tokens} tokens")
+    for path in a.validate:
+        try:
+            rows = validate(path, model, cfg, slo)
+        except ValidationError as exc:
+            sys.stderr.write(f"pdserve sim: error: --validate {exc}\n")
+            return 2
+        if a.json:
+            print(json.dumps({"run": str(path), "rows": rows}))
+        else:
+            print(format_rows(path.stem, rows))
     return 0

@@ -59,6 +59,7 @@ class Inst:
     running: list[tuple[int, int, Req]] = field(default_factory=list)  # (finish step, rid, req)
     waiting: deque[Req] = field(default_factory=deque)
     k: int = 0
+    step_t0: float = 0.0  # when its current step began
     noted: int = -1  # the load of its latest entry in the router's heap
 
     @property
@@ -82,6 +83,8 @@ class Sim:
         self.insts = [Inst(i, r) for i, r in enumerate(roles)]
         self.on_tick, self.tick_s = on_tick, tick_s
         self.on_arrival: Callable[[SimRequest], None] | None = None
+        # When a list: (inter-token gap, sequences that saw it), for ``--validate``'s ITL.
+        self.itl: list[tuple[float, int]] | None = None
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = 0
         self.now = 0.0
@@ -231,7 +234,7 @@ class Sim:
             inst.busy = False
             self._maybe_switch(inst)
             return
-        inst.busy = True
+        inst.busy, inst.step_t0 = True, self.now
         dur = self.m.step_time(len(inst.running)) + chunk / self.m.prefill_tokens_per_s
         self.push(self.now + dur, STEP_DONE, inst)
 
@@ -254,6 +257,8 @@ class Sim:
     def _step_done(self, inst: object) -> None:
         assert isinstance(inst, Inst)
         inst.k += 1
+        if self.itl is not None:
+            self._record_gaps(inst)
         while inst.running and inst.running[0][0] <= inst.k:
             self._finish(heapq.heappop(inst.running)[2])
         while inst.queue and inst.queue[0].prefill_left == 0:  # colocated prompts done
@@ -261,6 +266,15 @@ class Sim:
             req.t_first = self.now
             inst.waiting.append(req)
         self._start_step(inst)
+
+    def _record_gaps(self, inst: Inst) -> None:
+        """This step's gap for every sequence in it; a sequence's first decode token's gap
+        runs from its first token (the stall of the KV transfer and the decode queue)."""
+        assert self.itl is not None
+        gap = self.now - inst.step_t0
+        first = [req for end, _, req in inst.running if end - req.r.output_len + 2 == inst.k]
+        self.itl.append((gap, len(inst.running) - len(first)))
+        self.itl.extend((self.now - req.t_first, 1) for req in first)
 
     def _finish(self, req: Req) -> None:
         req.t_done = self.now

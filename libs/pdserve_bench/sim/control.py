@@ -5,7 +5,7 @@ for the decision-trace plot."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.controller.capacity import CapacityModel
 from pdserve.controller.optimizer import Cluster, Plan, Policy, Slo
@@ -27,10 +27,10 @@ class TracePoint:
 class SimController:
     def __init__(self, model: CapacityModel, slo: Slo, cluster: Cluster, initial: Plan,
                  window_s: float = 30.0, horizon_s: float = 10.0, margin: float = 0.1,
-                 min_dwell_s: float = 30.0) -> None:
+                 min_dwell_s: float = 30.0, urgent_dwell_s: float | None = None) -> None:
         self.model, self.slo, self.cluster = model, slo, cluster
         self.window = WorkloadWindow(window_s)
-        self.policy = Policy(initial, margin, min_dwell_s, now=0.0)
+        self.policy = Policy(initial, margin, min_dwell_s, now=0.0, urgent_dwell_s=urgent_dwell_s)
         self.horizon_s = horizon_s
         self.trace: list[TracePoint] = []
 
@@ -39,6 +39,11 @@ class SimController:
 
     def tick(self, sim: Sim, now: float) -> None:
         load = self.window.forecast(now, self.horizon_s)
+        if self.policy.urgent_dwell_s < self.policy.min_dwell_s:
+            # The requests already queued must be served within the horizon too: a backlog
+            # the forecast rate alone does not show makes the plan in force fall short.
+            queued = len(sim.backlog["prefill"]) + sum(len(i.queue) for i in sim.insts)
+            load = replace(load, rate=load.rate + queued / max(self.horizon_s, 1e-9))
         decision = self.policy.decide(now, self.model, load, self.slo, self.cluster)
         if decision.changed:
             apply(sim, decision.plan)

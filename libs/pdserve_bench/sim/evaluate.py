@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -130,7 +131,7 @@ class Evaluation:
 
 
 def evaluate(n: int, phases: list[Phase], requests: list[SimRequest], model: CapacityModel,
-             cfg: SimConfig, slo: Slo, controller_args: dict[str, float],
+             cfg: SimConfig, slo: Slo, controller_args: dict[str, Any],
              grid_steps: int = 7, tick_s: float = 10.0) -> Evaluation:
     first = [r for r in requests if r.t < phases[0].duration_s]
     p1 = max((run(f"p={p}", Plan(p, n - p), first, phases[:1], model, cfg, slo)

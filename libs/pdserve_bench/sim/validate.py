@@ -1,0 +1,148 @@
+"""``pdserve sim --validate RUN.json``: the simulator against a measured real-stack run.
+
+RUN.json is one stack's file from ``pdserve bench compare`` (``runs/<comparison>/<stack>.json``:
+the stack's ``pdserve up`` arguments and every request it measured). Each rate's requests are
+replayed through the simulator as they were sent (arrival offset, prompt and answer tokens) on
+the arrangement those arguments start — ``--colocated --decode N``, ``--prefill P --decode D``,
+and with ``--controller in-place`` the simulated controller at the router's settings
+(``--router-arg=--controller-interval=…`` etc.) — and the simulated TTFT and inter-token
+latency percentiles are printed beside the measured ones, with the relative error.
+
+Simulated ITL: each decode step's duration, once per sequence in the step; a request's first
+gap after its first token is the stall until its first decode step ends (KV transfer, queue).
+Not modelled: the gateway and router hops, tokenization, streaming, and other processes sharing
+the cores (``--time-scale`` stretches every modelled cost by one factor).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.controller.capacity import CapacityModel
+from pdserve.controller.optimizer import Plan, Slo
+from pdserve_bench.sim.cluster import Sim, SimConfig
+from pdserve_bench.sim.control import SimController
+from pdserve_bench.sim.evaluate import optimizer_cluster
+from pdserve_bench.sim.workload import SimRequest
+
+# The router's controller defaults (services/router/config.py), overridden by --router-arg.
+ROUTER_DEFAULTS = {"interval": 10.0, "window": 30.0, "dwell": 30.0, "margin": 0.1}
+
+
+class ValidationError(ValueError):
+    """RUN.json is not a ``pdserve bench compare`` stack file the simulator can replay."""
+
+
+@dataclass(frozen=True)
+class Arrangement:
+    plan: Plan
+    controller: dict[str, float] | None  # the router's controller settings, when it runs one
+
+
+def _flag(args: list[str], name: str, default: int) -> int:
+    return int(args[args.index(name) + 1]) if name in args else default
+
+
+def arrangement(args: list[str]) -> Arrangement:
+    """The engines a ``pdserve up`` argument list starts (later flags win, as in argparse)."""
+    args = list(args)
+    decode = _flag(args, "--decode", 1)
+    if "--colocated" in args:
+        return Arrangement(Plan(0, 0, decode), None)
+    plan = Plan(_flag(args, "--prefill", 1), decode)
+    if "--controller" not in args:
+        return Arrangement(plan, None)
+    settings = dict(ROUTER_DEFAULTS)
+    for a in args:
+        if a.startswith("--router-arg=--controller-"):
+            key, _, value = a.removeprefix("--router-arg=--controller-").partition("=")
+            if key in settings:
+                settings[key] = float(value)
+    return Arrangement(plan, settings)
+
+
+def load_runs(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
+    try:
+        doc = json.loads(path.read_text())
+        runs = list(doc["runs"])
+        for run in runs:
+            float(run["rate"]), list(run["requests"])
+        return [str(a) for a in doc["args"]], runs
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValidationError(f"{path}: not a `pdserve bench compare` runs/<comparison>/"
+                              f"<stack>.json file ({exc})") from None
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _weighted_pct(pairs: list[tuple[float, int]], q: float) -> float:
+    pairs = sorted(p for p in pairs if p[1] > 0)
+    if not pairs:
+        return float("nan")
+    weights = np.cumsum([n for _, n in pairs])
+    i = int(np.searchsorted(weights, q / 100 * weights[-1]))
+    return pairs[min(i, len(pairs) - 1)][0]
+
+
+def simulate(run: dict[str, Any], arr: Arrangement, model: CapacityModel, cfg: SimConfig,
+             slo: Slo) -> dict[str, float]:
+    ok = [r for r in run["requests"] if r.get("error") is None and r.get("ttft_s") is not None]
+    requests = [SimRequest(i, float(r["start_s"]), max(1, int(r["tokens_in"])),
+                           max(1, int(r["tokens_out"])))
+                for i, r in enumerate(sorted(ok, key=lambda r: r["start_s"]))]
+    plan = arr.plan
+    roles = ["colocated"] * plan.num_colocated or \
+        ["prefill"] * plan.num_prefill + ["decode"] * plan.num_decode
+    ctl, tick = None, 10.0
+    if arr.controller is not None:
+        c = arr.controller
+        ctl = SimController(model, slo, optimizer_cluster(len(roles), cfg), plan, c["window"],
+                            c["interval"], c["margin"], c["dwell"])
+        tick = c["interval"]
+    sim = Sim(model, cfg, roles, ctl.tick if ctl else None, tick)
+    sim.itl = []
+    if ctl is not None:
+        sim.on_arrival = ctl.observe
+    end = max((r.t for r in requests), default=0.0)
+    done = sim.run(requests, until=end + 600.0)
+    measured_itl = [g for r in ok for g in r["itls_s"]]
+    return {
+        "rate": float(run["rate"]), "requests": len(requests), "simulated": len(done),
+        "switches": len({(p.num_prefill, p.num_decode) for p in ctl.trace}) - 1 if ctl else 0,
+        "ttft_p50_ms": 1000 * _pct([r["ttft_s"] for r in ok], 50),
+        "sim_ttft_p50_ms": 1000 * _pct([r.t_first - r.r.t for r in done], 50),
+        "ttft_p99_ms": 1000 * _pct([r["ttft_s"] for r in ok], 99),
+        "sim_ttft_p99_ms": 1000 * _pct([r.t_first - r.r.t for r in done], 99),
+        "itl_p50_ms": 1000 * _pct(measured_itl, 50),
+        "sim_itl_p50_ms": 1000 * _weighted_pct(sim.itl, 50),
+        "itl_p99_ms": 1000 * _pct(measured_itl, 99),
+        "sim_itl_p99_ms": 1000 * _weighted_pct(sim.itl, 99),
+    }
+
+
+METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+
+def format_rows(name: str, rows: list[dict[str, float]]) -> str:
+    out = [f"{'stack':<20} {'rate':>5} {'metric':<12} {'measured':>9} {'simulated':>9} "
+           f"{'error':>7}"]
+    for row in rows:
+        for m in METRICS:
+            real, sim = row[m], row[f"sim_{m}"]
+            err = (sim - real) / real if real else float("nan")
+            out.append(f"{name:<20} {row['rate']:>5g} {m:<12} {real:>9.1f} {sim:>9.1f} "
+                       f"{err:>+7.0%}")
+    return "\n".join(out)
+
+
+def validate(path: Path, model: CapacityModel, cfg: SimConfig, slo: Slo) -> list[dict[str, float]]:
+    args, runs = load_runs(path)
+    arr = arrangement(args)
+    return [simulate(run, arr, model, cfg, slo) for run in runs]

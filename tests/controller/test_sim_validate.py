@@ -1,0 +1,79 @@
+"""``pdserve sim --validate``: the arrangement read from a stack's ``pdserve up`` arguments,
+the simulated inter-token gaps on an exact tiny case, the side-by-side rows, the user errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.controller.capacity import CapacityModel
+from pdserve.controller.optimizer import Plan, Slo
+from pdserve_bench.sim import cli
+from pdserve_bench.sim.cluster import Sim, SimConfig
+from pdserve_bench.sim.validate import Arrangement, arrangement, simulate
+from pdserve_bench.sim.workload import SimRequest
+
+# 1000 prompt tokens/s + 5 ms a batch; decode steps 10 ms + 1 ms per sequence
+MODEL = CapacityModel(0.005, 1000.0, 0.010, 0.001, max_batch=4)
+CFG = SimConfig(chunk_tokens=256, block_size=16, block_bytes=1000.0, link_bytes_per_s=1e6)
+
+
+@pytest.mark.parametrize(("args", "plan", "controller"), [
+    (["--model", "m", "--colocated", "--decode", "3"], Plan(0, 0, 3), None),
+    (["--prefill", "2", "--decode", "1"], Plan(2, 1), None),
+    ([], Plan(1, 1), None),
+    (["--prefill", "2", "--decode", "1", "--controller", "in-place",
+      "--router-arg=--controller-interval=1", "--router-arg=--controller-dwell=4"], Plan(2, 1),
+     {"interval": 1.0, "window": 30.0, "dwell": 4.0, "margin": 0.1}),
+])
+def test_the_arrangement_is_what_the_up_arguments_start(args: list[str], plan: Plan,
+                                                        controller: dict | None) -> None:
+    assert arrangement(args) == Arrangement(plan, controller)
+
+
+def test_inter_token_gaps_include_the_first_decode_stall() -> None:
+    sim = Sim(MODEL, CFG, ["prefill", "decode"])
+    sim.itl = []
+    [req] = sim.run([SimRequest(0, 0.0, 100, 3)], until=10.0)
+    # prefill 0.105 s; KV 7 blocks x 1000 B / 1 MB/s = 7 ms; steps of 1 sequence: 11 ms
+    assert req.t_first == pytest.approx(0.105)
+    gaps = sorted((round(g, 6), n) for g, n in sim.itl if n)
+    assert gaps == [(0.011, 1), (0.018, 1)]  # the second token: KV + one step after the first
+
+
+def _run_file(tmp_path: Path, args: list[str]) -> Path:
+    results = [{"start_s": 0.5 * i, "ttft_s": 0.2, "itls_s": [0.02, 0.02], "tokens_in": 100,
+                "tokens_out": 3, "error": None} for i in range(4)]
+    path = tmp_path / "stack.json"
+    path.write_text(json.dumps({"stack": "s", "args": args,
+                                "runs": [{"rate": 2.0, "requests": results}]}))
+    return path
+
+
+def test_validate_rows_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _run_file(tmp_path, ["--prefill", "1", "--decode", "1"])
+    row = simulate(json.loads(path.read_text())["runs"][0], Arrangement(Plan(1, 1), None), MODEL,
+                   CFG, Slo(1.0, 0.1))
+    assert (row["requests"], row["simulated"]) == (4, 4)
+    assert row["ttft_p50_ms"] == pytest.approx(200) and row["itl_p99_ms"] == pytest.approx(20)
+    assert row["sim_ttft_p50_ms"] == pytest.approx(105, rel=0.01)  # nothing queues at 2 req/s
+    assert cli.main(["--validate", str(path), "--json", "--time-scale", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("model: ") and "(time scale 2)" in out[0]
+    assert json.loads(out[1])["rows"][0]["requests"] == 4
+    assert cli.main(["--validate", str(path)]) == 0
+    assert "ttft_p99_ms" in capsys.readouterr().out
+
+
+def test_validate_names_a_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    for text in ("{}", '{"args": [], "runs": [{"rate": 1}]}', "[1"):
+        bad.write_text(text)
+        assert cli.main(["--validate", str(bad)]) == 2
+        assert "not a `pdserve bench compare` runs/<comparison>/<stack>.json file" in \
+            capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--validate", str(bad), "--time-scale", "0"])
+    assert "--time-scale must be > 0" in capsys.readouterr().err
