@@ -111,10 +111,10 @@ class KvdPair:
         self.seq = 0
         # One block's bytes: random KV values (any bytes for a quantized block's values+scales).
         if layout.is_quantized:
-            self.source = torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8)
+            self.block = torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8)
         else:
-            values = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
-            self.source = values.view(torch.uint8).reshape(-1)
+            self.block = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
+        self.source = self.block.view(torch.uint8).reshape(-1)
 
     def write(self, slot: int) -> None:
         self.a.slot_view(slot).view(torch.uint8).reshape(-1).copy_(self.source)
@@ -140,14 +140,14 @@ class KvdPair:
         return dt
 
     async def e2e_once(self, n: int, out: torch.Tensor) -> float:
-        """(d): engine write on A -> Commit+push -> Await on B -> engine read -> Release."""
+        """(d): engine write on A (each block checksummed right after its copy, while hot) ->
+        Commit+push -> Await on B -> engine read -> Release."""
         hs = self.hashes(n)
         t = time.perf_counter()
         pins = await self.a.allocate(n)
-        for p in pins:
-            self.write(p.slot)
-        await self.a.commit([CommitEntry(p, h) for p, h in zip(pins, hs, strict=True)],
-                            self.dest)
+        sums = [self.a.write_block(p.slot, self.block) for p in pins]
+        await self.a.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hs, sums,
+                                                                     strict=True)], self.dest)
         got = await self.b.await_blocks([common_pb2.BlockRef(hash=h) for h in hs], timeout=120)
         for p in got:
             out.copy_(self.b.slot_view(p.slot))

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import mmap
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from multiprocessing import shared_memory
@@ -33,6 +34,7 @@ from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
 from services.kvd.pool import PinRecord, Pool, SlotState
 from services.kvd.shipping import Shipper
+from services.kvd.samehost import SameHost, SameHostFaults
 from services.kvd.transfer import Faults, UcxTransport
 
 log = logging.getLogger(__name__)
@@ -144,7 +146,8 @@ class Kvd:
             segments.segment_name(self.me.node_id, os.getpid(), self.epoch),
             L.segment_bytes(slot_bytes, num_slots))
         assert self._shm.buf is not None
-        L.write_header(self._shm.buf, slot_bytes, num_slots, self.epoch)
+        token = secrets.token_bytes(L.TOKEN_BYTES)
+        L.write_header(self._shm.buf, slot_bytes, num_slots, self.epoch, token)
         arr = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
         # Fault every page in now: a first write into a fresh shm page costs a page fault, and
         # a transfer landing in never-used slots ran at a third of the speed of one landing in
@@ -154,9 +157,25 @@ class Kvd:
         self.layout = layout
         self.shipper = Shipper(Pool(num_slots, self.epoch), arr, L.HEADER_BYTES, slot_bytes,
                                self.transport, self.peers, self.sync, self.me,
-                               self.config.transfer_timeout, layout.dtype, self.codec)
+                               self.config.transfer_timeout, layout.dtype, self.codec,
+                               *self._same_host(arr, slot_bytes, token))
         log.info("pool created", extra={"fields": {"shm": self._shm.name, "slots": num_slots,
                                                     "slot_bytes": slot_bytes}})
+
+    def _same_host(self, arr: np.ndarray, slot_bytes: int, token: bytes
+                   ) -> tuple[SameHost | None, tuple[str, bytes]]:
+        """Same-host pushes (``samehost``): the mapper of peer pools, and this pool's segment
+        as offered to receivers; off with --same-host false. The UCX fault hooks exercise the UCX
+        path, so a kvd under them offers no same-host copy."""
+        c = self.config
+        if not c.same_host:
+            return None, ("", b"")
+        faults = SameHostFaults(c.fault_same_host_corrupt_every, c.fault_same_host_delay_ms)
+        mapper = SameHost(arr, L.HEADER_BYTES, slot_bytes, faults)
+        if c.fault_corrupt_every or c.fault_send_delay_ms:
+            return mapper, ("", b"")
+        assert self._shm is not None
+        return mapper, (self._shm.name, token)
 
     def _ship(self) -> Shipper:
         if self.shipper is None:
@@ -302,7 +321,7 @@ class Kvd:
         out.slots_writing = pool.count(SlotState.WRITING)
         out.bytes_in, out.bytes_out, out.num_transfers = c.bytes_in, c.bytes_out, c.num_transfers
         out.num_errors, out.num_checksum_failures = c.num_errors, c.num_checksum_failures
-        out.num_refetches = c.num_refetches
+        out.num_refetches, out.num_same_host = c.num_refetches, c.num_same_host
         out.num_evictions = pool.counters.num_evictions
         out.num_lease_expiries = pool.counters.num_lease_expiries
         return out

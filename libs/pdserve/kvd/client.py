@@ -7,8 +7,9 @@ Export (prefill)::
     await client.register(BlockLayout(num_layers, block_size, kv_heads, head_dim, "bfloat16"))
     pins = await client.allocate(len(blocks))
     for pin, block in zip(pins, blocks):
-        client.slot_view(pin.slot).copy_(block)          # [layers, 2, bs, kvh, hd], in place
-    await client.commit([CommitEntry(p, h) for p, h in zip(pins, hashes)], destination=decode_kvd)
+        sums.append(client.write_block(pin.slot, block)) # [layers, 2, bs, kvh, hd]; xxh3 hot
+    await client.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums)],
+                        destination=decode_kvd)
 
 Import (decode)::
 
@@ -150,6 +151,13 @@ class KvdClient:
         if self._shm is None or self._shm.buf is None:
             raise ValueError("mapped: register() first; the pool is not mapped")
         return self._shm.buf
+
+    def write_block(self, slot: int, block: torch.Tensor) -> int:
+        """Copy ``block`` (``slot_view``'s shape and dtype) into the slot; the xxh3 of the
+        slot's bytes, taken right after the copy while they are still in cache (what a
+        ``CommitEntry`` carries: a second pass later reads them back from memory)."""
+        self.slot_view(slot).copy_(block)
+        return block_checksum(self.slot_memory(slot))
 
     def slot_memory(self, slot: int) -> memoryview:
         """The slot's raw bytes (for checksums and byte-level copies)."""
