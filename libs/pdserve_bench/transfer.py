@@ -7,9 +7,12 @@ dims x 2 bytes), the same bytes moved by:
                  has memcpy_blocks_gbps, the same bytes copied 1 MiB at a time;
   (b) kvd     -- kvd A -> kvd B, from Commit with push until every block is present at B;
   (c) grpc    -- a plain gRPC byte stream (1 MiB messages) between two processes;
-  (d) e2e     -- the engine path: write slots on A, Commit+push, Await on B, read, Release.
-Two real kvd processes and a gRPC sink process are started on loopback. ``--quick`` uses
-batches of 1, 16 and 64 blocks and fewer repetitions.
+  (d) e2e     -- the engine path: write slots on A (each block checksummed right after its
+                 copy), Commit+push, Await on B, read, Release.
+(b) and (d) run on two pairs of real kvd processes: one pair takes the same-host path (the
+receiver copies from the sender's mapped pool, the default), the other is held to UCX
+(``--same-host false``; the ``_ucx`` columns). A gRPC sink process serves (c); all on
+loopback. ``--quick`` uses batches of 1, 16 and 64 blocks and fewer repetitions.
 
 ``--kv-dtypes`` instead moves SmolLM2-135M's block (30 layers, 3 KV heads, head_dim 64, 16
 tokens: 737,280 bytes in float32, 368,640 in bfloat16, 195,840 in fp8/int8 with their scales)
@@ -155,40 +158,61 @@ class KvdPair:
         return time.perf_counter() - t
 
 
+async def _pairs(capacity_mib: int, layout: BlockLayout = LAYOUT
+                 ) -> tuple[list[subprocess.Popen[str]], list[KvdClient], dict[str, KvdPair]]:
+    """Two pairs of kvds: one copying between the pools of this host (the default), one held
+    to UCX (``--same-host false``), so both paths are measured in the same run."""
+    procs: list[subprocess.Popen[str]] = []
+    clients: list[KvdClient] = []
+    pairs = {}
+    for path, extra in (("same_host", ()), ("ucx", ("--same-host", "false"))):
+        (pa, addr_a), (pb, addr_b) = _kvd_pair(capacity_mib, *extra)
+        procs += [pa, pb]
+        a, b = KvdClient(addr_a, "bench-a"), KvdClient(addr_b, "bench-b")
+        clients += [a, b]
+        await a.register(layout)
+        await b.register(layout)
+        pairs[path] = KvdPair(a, b, common_pb2.KvdEndpoint(node_id=addr_b, address=addr_b),
+                              layout)
+        await pairs[path].kvd_once(1)  # warm-up: endpoints, channels
+    return procs, clients, pairs
+
+
+async def _close(procs: list[subprocess.Popen[str]], clients: list[KvdClient]) -> None:
+    for c in clients:
+        await c.close()
+    for p in procs:
+        p.terminate()
+        p.wait(timeout=30)
+
+
 async def _run(sizes: list[int], quick: bool) -> list[dict[str, float]]:
-    (pa, addr_a), (pb, addr_b) = _kvd_pair(2 * max(sizes) + 64)
+    procs, clients, pairs = await _pairs(2 * max(sizes) + 64)
     sink, sink_port = _spawn(["-c", _SINK])
-    a, b = KvdClient(addr_a, "bench-a"), KvdClient(addr_b, "bench-b")
+    procs.append(sink)
     try:
-        await a.register(LAYOUT)
-        await b.register(LAYOUT)
-        pair = KvdPair(a, b, common_pb2.KvdEndpoint(node_id=addr_b, address=addr_b))
-        await pair.kvd_once(1)  # warm-up: endpoints, channels
         out = torch.empty(LAYOUT.shape, dtype=torch.bfloat16)
         rows = []
         for n in sizes:
             reps = 20 if n == 1 else (3 if quick or n >= 256 else 5)
-            kvd = [await pair.kvd_once(n) for _ in range(reps)]
-            e2e = [await pair.e2e_once(n, out) for _ in range(reps)]
             nbytes = n * MIB
-            rows.append({
-                "batch_bytes": nbytes,
-                "memcpy_gbps": bench_memcpy(n, reps),
-                "memcpy_blocks_gbps": bench_memcpy(n, reps, MIB),
-                "kvd_gbps": nbytes / statistics.median(kvd) / 1e9,
-                "kvd_best_gbps": nbytes / min(kvd) / 1e9,
-                "grpc_gbps": await bench_grpc(f"127.0.0.1:{sink_port}", n, min(reps, 5)),
-                "e2e_gbps": nbytes / statistics.median(e2e) / 1e9,
-                "kvd_latency_ms": statistics.median(kvd) * 1e3,
-                "kvd_best_latency_ms": min(kvd) * 1e3,
-            })
+            row: dict[str, float] = {"batch_bytes": nbytes}
+            for path, pair in pairs.items():
+                kvd = [await pair.kvd_once(n) for _ in range(reps)]
+                e2e = [await pair.e2e_once(n, out) for _ in range(reps)]
+                sfx = "" if path == "same_host" else "_ucx"
+                row |= {f"kvd{sfx}_gbps": nbytes / statistics.median(kvd) / 1e9,
+                        f"kvd{sfx}_best_gbps": nbytes / min(kvd) / 1e9,
+                        f"e2e{sfx}_gbps": nbytes / statistics.median(e2e) / 1e9,
+                        f"kvd{sfx}_latency_ms": statistics.median(kvd) * 1e3,
+                        f"e2e{sfx}_latency_ms": statistics.median(e2e) * 1e3}
+            row |= {"memcpy_gbps": bench_memcpy(n, reps),
+                    "memcpy_blocks_gbps": bench_memcpy(n, reps, MIB),
+                    "grpc_gbps": await bench_grpc(f"127.0.0.1:{sink_port}", n, min(reps, 5))}
+            rows.append(row)
         return rows
     finally:
-        await a.close()
-        await b.close()
-        for p in (pa, pb, sink):
-            p.terminate()
-            p.wait(timeout=30)
+        await _close(procs, clients)
 
 
 # -- --kv-dtypes: blocks/s per KV cache dtype ----------------------------------------------------
@@ -209,22 +233,23 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _kvd(capacity_mib: int, port: int, peer: str) -> tuple[subprocess.Popen[str], str]:
+def _kvd(capacity_mib: int, port: int, peer: str, *extra: str
+         ) -> tuple[subprocess.Popen[str], str]:
     """A kvd on ``port`` that accepts ``peer`` as a kvd node (push destinations and Transfer
     callers must be registered: no Redis registry here)."""
     proc, line = _spawn(["-m", "services.kvd", "--port", str(port), "--capacity-mib",
-                         str(capacity_mib), "--peers", peer])
+                         str(capacity_mib), "--peers", peer, *extra])
     if "listening on" not in line:
         raise RuntimeError(f"kvd did not start: {line!r}")
     return proc, line.split("listening on ")[1].split()[0]
 
 
-def _kvd_pair(capacity_mib: int) -> tuple[tuple[subprocess.Popen[str], str], ...]:
+def _kvd_pair(capacity_mib: int, *extra: str) -> tuple[tuple[subprocess.Popen[str], str], ...]:
     """Two kvds that accept each other as peers (a push destination must be a registered
     node; there is no Redis registry here)."""
     ports = _free_ports(2)
-    return (_kvd(capacity_mib, ports[0], f"127.0.0.1:{ports[1]}"),
-            _kvd(capacity_mib, ports[1], f"127.0.0.1:{ports[0]}"))
+    return (_kvd(capacity_mib, ports[0], f"127.0.0.1:{ports[1]}", *extra),
+            _kvd(capacity_mib, ports[1], f"127.0.0.1:{ports[0]}", *extra))
 
 
 async def _one_dtype(dtype: str, num_blocks: int, reps: int) -> dict[str, float | str]:
@@ -285,15 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     # 2-core host, 40x slower copies).
     torch.set_num_threads(1)
     rows = asyncio.run(_run(sizes, args.quick))
-    print(f"{'batch':>8} {'memcpy':>8} {'kvd':>8} {'kvd best':>8} {'grpc':>8} {'e2e':>8} "
-          f"{'kvd lat':>10} {'kvd/memcpy':>10} {'kvd/grpc':>9}")
+    cols = ("memcpy", "grpc", "kvd", "kvd_ucx", "e2e", "e2e_ucx")
+    print(f"{'batch':>8} " + " ".join(f"{c:>8}" for c in cols)
+          + f" {'kvd lat':>9} {'e2e lat':>9} {'e2e/memcpy':>10} {'e2e/grpc':>8}")
     for r in rows:
-        print(f"{r['batch_bytes'] // MIB:>5}MiB {r['memcpy_gbps']:>8.2f} {r['kvd_gbps']:>8.2f} "
-              f"{r['kvd_best_gbps']:>8.2f} {r['grpc_gbps']:>8.2f} {r['e2e_gbps']:>8.2f} "
-              f"{r['kvd_latency_ms']:>8.2f}ms {r['kvd_gbps'] / r['memcpy_gbps']:>10.2f} "
-              f"{r['kvd_gbps'] / r['grpc_gbps']:>9.2f}")
-    print("(GB/s, medians but memcpy = best; kvd = commit with push until present at B; "
-          "e2e = engine write -> read)")
+        print(f"{r['batch_bytes'] // MIB:>5}MiB "
+              + " ".join(f"{r[c + '_gbps']:>8.2f}" for c in cols)
+              + f" {r['kvd_latency_ms']:>7.2f}ms {r['e2e_latency_ms']:>7.2f}ms"
+              f" {r['e2e_gbps'] / r['memcpy_gbps']:>10.2f} {r['e2e_gbps'] / r['grpc_gbps']:>8.2f}")
+    print("(GB/s, medians but memcpy = best; kvd = Commit with push until present at B; "
+          "e2e = the engine path, write on A -> read on B; _ucx = kvds held to UCX)")
     if args.json:
         for r in rows:
             print(json.dumps(r))

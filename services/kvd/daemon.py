@@ -33,8 +33,8 @@ from services.kvd.config import KvdConfig
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
 from services.kvd.pool import PinRecord, Pool, SlotState
-from services.kvd.shipping import Shipper
 from services.kvd.samehost import SameHost, SameHostFaults
+from services.kvd.shipping import Shipper
 from services.kvd.transfer import Faults, UcxTransport
 
 log = logging.getLogger(__name__)

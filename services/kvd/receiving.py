@@ -17,7 +17,6 @@ import numpy as np
 from pdserve.errors import StatusError
 from pdserve.hashing import block_checksum
 from pdserve.proto.v1 import common_pb2, kvd_pb2
-from pdserve.telemetry import outbound_metadata
 from services.kvd import metrics
 from services.kvd.link import RPC_TIMEOUT_S, Half, Link
 from services.kvd.samehost import PeerPool
@@ -97,7 +96,10 @@ class Receiver(Half):
         with metrics.transfer(self._me.node_id, "in", tr.peer.node_id, len(tr.hashes),
                               len(tr.hashes) * self.slot_bytes):
             try:
-                got = await asyncio.to_thread(self._same_host.copy, peer, src, tr.slots)
+                if len(src) * self.slot_bytes < _THREAD_VERIFY_BYTES:  # a thread hop costs more
+                    got = self._same_host.copy(peer, src, tr.slots)
+                else:
+                    got = await asyncio.to_thread(self._same_host.copy, peer, src, tr.slots)
             except ValueError as exc:
                 err = StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 self._fail(tr, positions, err)
@@ -143,8 +145,7 @@ class Receiver(Half):
                                       slot_bytes=self.slot_bytes,
                                       kv_dtype=self.kv_dtype, codec=self._offer)
         try:
-            resp = await self._peers.stub(tr.peer.address).Transfer(
-                req, timeout=RPC_TIMEOUT_S, metadata=outbound_metadata(self._peers.metadata))
+            resp = await self._peers.transfer(tr.peer.address, req, RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
             self._fail(tr, range(len(tr.hashes)), StatusError(
                 grpc.StatusCode.ABORTED, f"source {tr.peer.node_id or tr.peer.address} "

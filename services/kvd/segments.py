@@ -17,6 +17,7 @@ next kvd's sweep) is simpler to reason about and to test.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -44,10 +45,8 @@ def create(name: str, size: int) -> shared_memory.SharedMemory:
 
 def remove(shm: shared_memory.SharedMemory, shm_dir: Path = SHM_DIR) -> None:
     """Close and unlink a segment made by ``create`` (untracked, so not ``shm.unlink()``)."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         (shm_dir / shm.name).unlink()
-    except FileNotFoundError:
-        pass
     shm.close()
 
 

@@ -14,10 +14,10 @@ The pool is one POSIX shared-memory segment cut into fixed-size slots:
     +-------------------+--------+--------+-----+--------+
 
 The header lets a client check it mapped the segment it was told about; its random token
-lets a peer kvd on the same host prove it mapped this very pool (``services/kvd/samehost.py``). Slot metadata (hash,
-state, pins, leases, checksum) lives in the daemon only: a client reaches a slot's bytes only
-through a pin, and the daemon never reuses a pinned slot, which is the fence that keeps readers
-from seeing a slot being rewritten.
+lets a peer kvd on the same host prove it mapped this very pool (``services/kvd/samehost.py``).
+Slot metadata (hash, state, pins, leases, checksum) lives in the daemon only: a client reaches
+a slot's bytes only through a pin, and the daemon never reuses a pinned slot, which is the
+fence that keeps readers from seeing a slot being rewritten.
 """
 
 from __future__ import annotations
