@@ -129,8 +129,9 @@ class KvStaging:
 
     def _scatter(self, pages: list[int], blocks: list[torch.Tensor]) -> Ticket:
         cache = self.engine.cache
-        if self.side is None:
-            cache.import_pages(pages, torch.stack(blocks))
+        if self.side is None:  # slot by slot into its page: no stacked copy between
+            for page, block in zip(pages, blocks, strict=True):
+                cache.import_pages([page], block.unsqueeze(0))
             return Ticket()
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.side):
