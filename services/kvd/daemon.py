@@ -28,12 +28,11 @@ from pdserve.hashing import HASH_LEN, block_checksum
 from pdserve.index import IndexUnavailable, NodeRecord, PrefixIndex
 from pdserve.kvd import layout as L
 from pdserve.proto.v1 import common_pb2, kvd_pb2
-from services.kvd import awaiting, peering, segments, wirecodec
+from services.kvd import awaiting, peering, samehost, segments, wirecodec
 from services.kvd.config import KvdConfig
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
 from services.kvd.pool import PinRecord, Pool, SlotState
-from services.kvd.samehost import SameHost, SameHostFaults
 from services.kvd.shipping import Shipper
 from services.kvd.transfer import Faults, UcxTransport
 
@@ -158,24 +157,10 @@ class Kvd:
         self.shipper = Shipper(Pool(num_slots, self.epoch), arr, L.HEADER_BYTES, slot_bytes,
                                self.transport, self.peers, self.sync, self.me,
                                self.config.transfer_timeout, layout.dtype, self.codec,
-                               *self._same_host(arr, slot_bytes, token))
+                               *samehost.make(self.config, arr, slot_bytes, self._shm.name,
+                                              token))
         log.info("pool created", extra={"fields": {"shm": self._shm.name, "slots": num_slots,
                                                     "slot_bytes": slot_bytes}})
-
-    def _same_host(self, arr: np.ndarray, slot_bytes: int, token: bytes
-                   ) -> tuple[SameHost | None, tuple[str, bytes]]:
-        """Same-host pushes (``samehost``): the mapper of peer pools, and this pool's segment
-        as offered to receivers; off with --same-host false. The UCX fault hooks exercise the UCX
-        path, so a kvd under them offers no same-host copy."""
-        c = self.config
-        if not c.same_host:
-            return None, ("", b"")
-        faults = SameHostFaults(c.fault_same_host_corrupt_every, c.fault_same_host_delay_ms)
-        mapper = SameHost(arr, L.HEADER_BYTES, slot_bytes, faults)
-        if c.fault_corrupt_every or c.fault_send_delay_ms:
-            return mapper, ("", b"")
-        assert self._shm is not None
-        return mapper, (self._shm.name, token)
 
     def _ship(self) -> Shipper:
         if self.shipper is None:

@@ -34,6 +34,7 @@ import numpy as np
 from pdserve.hashing import block_checksum
 from pdserve.kvd import layout as L
 from services.kvd import segments
+from services.kvd.config import KvdConfig
 
 log = logging.getLogger(__name__)
 
@@ -143,3 +144,34 @@ class SameHost:
                 out[0] ^= 0xFF  # test hook: corrupt the copy, never the peer's pool
             sums.append(block_checksum(out.data))
         return sums
+
+
+def make(config: KvdConfig, own: np.ndarray, slot_bytes: int, shm_name: str, token: bytes
+         ) -> tuple[SameHost | None, tuple[str, bytes]]:
+    """A kvd's same-host part: the mapper of peer pools, and its own pool's segment as offered
+    to receivers (neither with ``--same-host false``, or when ``--ucx-tls`` keeps UCX off
+    shared memory: such a kvd stands for, or sits on, a host of its own, e.g. in the network
+    namespaces of ``pdserve_bench.cluster``). The UCX fault hooks exercise the UCX path, so a
+    kvd under them offers no same-host copy."""
+    if not config.same_host or not shares_memory(config.ucx_tls):
+        return None, ("", b"")
+    faults = SameHostFaults(config.fault_same_host_corrupt_every,
+                            config.fault_same_host_delay_ms)
+    mapper = SameHost(own, L.HEADER_BYTES, slot_bytes, faults)
+    if config.fault_corrupt_every or config.fault_send_delay_ms:
+        return mapper, ("", b"")
+    return mapper, (shm_name, token)
+
+
+_SHM_TLS = {"all", "sm", "shm", "posix", "sysv"}
+
+
+def shares_memory(ucx_tls: str) -> bool:
+    """Whether a UCX_TLS setting lets UCX use shared memory ("" = UCX's default: yes;
+    "^sm" or "tcp": no)."""
+    names = {t.strip() for t in ucx_tls.lstrip("^").split(",") if t.strip()}
+    if not ucx_tls.strip():
+        return True
+    if ucx_tls.startswith("^"):
+        return not names & (_SHM_TLS - {"all"})
+    return bool(names & _SHM_TLS)

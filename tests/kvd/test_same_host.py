@@ -17,7 +17,8 @@ import pytest
 from pdserve.kvd import layout as L
 from pdserve.kvd.client import CommitEntry
 from services.kvd import segments
-from services.kvd.samehost import SameHost, map_segment
+from services.kvd.config import KvdConfig
+from services.kvd.samehost import SameHost, make, map_segment, shares_memory
 from tests.kvd.conftest import ROOT
 from tests.kvd.test_kvd_processes import (
     Factory,
@@ -146,3 +147,16 @@ def test_a_mapping_outlives_its_killed_owner_and_its_unlinked_file() -> None:
     finally:
         owner.kill()
         (segments.SHM_DIR / name).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(("tls", "shared"), [("", True), ("^cma", True), ("tcp,sm", True),
+                                             ("^sm", False), ("tcp", False),
+                                             ("^posix,sysv", False)])
+def test_a_kvd_kept_off_shared_memory_by_ucx_tls_takes_no_same_host_path(
+        tls: str, shared: bool) -> None:
+    config = KvdConfig(ucx_tls=tls)
+    mapper, offer = make(config, np.zeros(8192, np.uint8), 4096, "pdserve-kvd-x-1-1", b"t" * 16)
+    assert shares_memory(tls) is shared
+    assert (mapper is not None, offer[0]) == (shared, "pdserve-kvd-x-1-1" if shared else "")
+    assert make(KvdConfig(same_host=False), np.zeros(8192, np.uint8), 4096, "n", b"t") == (
+        None, ("", b""))
