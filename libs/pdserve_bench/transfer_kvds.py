@@ -123,7 +123,9 @@ async def kvd_pairs(capacity_mib: int, layout: BlockLayout = LAYOUT
     for path, extra in (("same_host", ()), ("ucx", ("--same-host", "false"))):
         (pa, addr_a), (pb, addr_b) = kvd_pair(capacity_mib, *extra)
         procs += [pa, pb]
-        a, b = KvdClient(addr_a, "bench-a"), KvdClient(addr_b, "bench-b")
+        # a pool is faulted in at Register: a GiB of pages takes seconds on a busy host
+        a, b = (KvdClient(addr, name, rpc_timeout=120) for addr, name in
+                ((addr_a, "bench-a"), (addr_b, "bench-b")))
         clients += [a, b]
         await a.register(layout)
         await b.register(layout)
