@@ -72,3 +72,15 @@ async def test_a_waiting_call_holds_back_nothing_and_a_lost_kvd_fails_calls_at_o
     assert code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t < 5
     for c in (ca, cb):
         await c.close()
+
+
+async def test_a_stream_without_the_credential_is_refused(kvd_factory: Factory,
+                                                         redis_url: str) -> None:
+    k = start(kvd_factory, redis_url, secret="s3cret")
+    member = await client(k, secret="s3cret")
+    assert len(await member.allocate(1)) == 1  # on the stream, with the credential
+    stranger = KvdClient(k.address, "stranger")
+    code, details = await _failure(stranger.allocate(1))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "x-pdserve-secret" in details
+    for c in (member, stranger):
+        await c.close()

@@ -56,7 +56,8 @@ class ControlStream:
             resp = await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        except grpc.aio.UsageError as exc:  # the stream ended under the write
+        except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:  # it ended meanwhile
+            self._call = None
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"kvd control stream: {exc}") from exc
         finally:
             self._pending.pop(rid, None)
