@@ -18,7 +18,8 @@ segment name, ``segments.segment_name``) is still alive, and fails the transfer 
 (ABORTED, its slots freed) when it is not: a dead sender's pins no longer stand for its slots.
 A replaced peer has another segment name (pid and epoch) and another random token; a cached
 mapping whose creator died is dropped. A segment that cannot be mapped, or holds another
-token (another host's pool of the same name), means "not this host": the push goes over UCX.
+token (another host's pool of the same name), or whose creator this kvd cannot see (another
+pid namespace), means "not this host": the push goes over UCX.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ class SameHost:
                 return None
             self._maps[name] = peer
             log.info("peer pool mapped (same host)", extra={"fields": {"shm": name}})
-        if peer.token != token or peer.slot_bytes != self.slot_bytes:
-            return None
+        if peer.token != token or peer.slot_bytes != self.slot_bytes or not peer.alive():
+            return None  # a creator this kvd cannot see (another pid namespace): not this host
         return peer
 
     def copy(self, peer: PeerPool, src: list[int], dst: list[int]) -> list[int]:

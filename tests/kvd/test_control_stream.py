@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.kvd.client import CommitEntry, KvdClient
 from pdserve.kvd.layout import BlockLayout
-from pdserve.proto.v1 import common_pb2
+from pdserve.proto.v1 import common_pb2, kvd_pb2, kvd_pb2_grpc
 from tests.kvd.conftest import BLOCK
 from tests.kvd.test_kvd_processes import Factory, client, endpoint, refs, start, write
 
@@ -84,3 +84,20 @@ async def test_a_stream_without_the_credential_is_refused(kvd_factory: Factory,
     assert code == grpc.StatusCode.UNAUTHENTICATED and "x-pdserve-secret" in details
     for c in (member, stranger):
         await c.close()
+
+
+async def test_a_request_naming_no_call_is_answered_with_its_error_and_the_stream_goes_on(
+        kvd_factory: Factory, redis_url: str) -> None:
+    k = start(kvd_factory, redis_url)
+    c = await client(k)
+    async with grpc.aio.insecure_channel(k.address) as channel:
+        call = kvd_pb2_grpc.KvdStub(channel).Control()
+        await call.write(kvd_pb2.ControlRequest(id=5))
+        await call.write(kvd_pb2.ControlRequest(id=6, release=kvd_pb2.ReleaseRequest()))
+        first, second = await call.read(), await call.read()
+        assert (first.id, first.error.code) == (5, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+        assert first.error.message == ("call: one of allocate, commit, wait, release, "
+                                       "transfer is required")
+        assert second.id == 6 and second.WhichOneof("result") == "release"
+        call.cancel()
+    await c.close()
