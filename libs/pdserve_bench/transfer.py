@@ -7,9 +7,12 @@ dims x 2 bytes), the same bytes moved by:
                  has memcpy_blocks_gbps, the same bytes copied 1 MiB at a time;
   (b) kvd     -- kvd A -> kvd B, from Commit with push until every block is present at B;
   (c) grpc    -- a plain gRPC byte stream (1 MiB messages) between two processes;
-  (d) e2e     -- the engine path: write slots on A, Commit+push, Await on B, read, Release.
-Two real kvd processes and a gRPC sink process are started on loopback. ``--quick`` uses
-batches of 1, 16 and 64 blocks and fewer repetitions.
+  (d) e2e     -- the engine path: write slots on A (each block checksummed right after its
+                 copy), Commit+push, Await on B, read, Release.
+(b) and (d) run on two pairs of real kvd processes: one pair takes the same-host path (the
+receiver copies from the sender's mapped pool, the default), the other is held to UCX
+(``--same-host false``; the ``_ucx`` columns). A gRPC sink process serves (c); all on
+loopback. ``--quick`` uses batches of 1, 16 and 64 blocks and fewer repetitions.
 
 ``--kv-dtypes`` instead moves SmolLM2-135M's block (30 layers, 3 KV heads, head_dim 64, 16
 tokens: 737,280 bytes in float32, 368,640 in bfloat16, 195,840 in fp8/int8 with their scales)
@@ -24,26 +27,26 @@ import asyncio
 import json
 import math
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
 import torch
 
-from pdserve.env import LOG_LEVEL_VAR
-from pdserve.hashing import block_checksum
-from pdserve.kvd.client import CommitEntry, KvdClient
+from pdserve.kvd.client import KvdClient
 from pdserve.kvd.layout import BlockLayout
 from pdserve.proto.v1 import common_pb2
-
-ROOT = Path(__file__).resolve().parents[2]
-LAYOUT = BlockLayout(16, 16, 8, 128, "bfloat16")  # 1 MiB per block
-MIB = 1 << 20
+from pdserve_bench.transfer_kvds import (
+    LAYOUT,
+    MIB,
+    KvdPair,
+    close_all,
+    kvd_pair,
+    kvd_pairs,
+    spawn,
+)
 
 _SINK = """
 import asyncio, sys, grpc
@@ -62,14 +65,6 @@ async def main():
     await server.wait_for_termination()
 asyncio.run(main())
 """
-
-
-def _spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}", LOG_LEVEL_VAR: "warning"}
-    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
-    return proc, proc.stdout.readline().strip()
 
 
 def bench_memcpy(n: int, reps: int, chunk: int = 0) -> float:
@@ -104,91 +99,33 @@ async def bench_grpc(address: str, n: int, reps: int) -> float:
     return n * MIB / statistics.median(times) / 1e9
 
 
-class KvdPair:
-    def __init__(self, a: KvdClient, b: KvdClient, b_endpoint: common_pb2.KvdEndpoint,
-                 layout: BlockLayout = LAYOUT) -> None:
-        self.a, self.b, self.dest = a, b, b_endpoint
-        self.seq = 0
-        # One block's bytes: random KV values (any bytes for a quantized block's values+scales).
-        if layout.is_quantized:
-            self.source = torch.randint(0, 256, (layout.block_bytes,), dtype=torch.uint8)
-        else:
-            values = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
-            self.source = values.view(torch.uint8).reshape(-1)
-
-    def write(self, slot: int) -> None:
-        self.a.slot_view(slot).view(torch.uint8).reshape(-1).copy_(self.source)
-
-    def hashes(self, n: int) -> list[bytes]:
-        self.seq += 1
-        return [self.seq.to_bytes(16, "big") + i.to_bytes(16, "big") for i in range(n)]
-
-    async def kvd_once(self, n: int) -> float:
-        """(b): blocks already written on A; time Commit-with-push -> present at B."""
-        pins = await self.a.allocate(n)
-        for p in pins:
-            self.write(p.slot)
-        sums = [block_checksum(self.a.slot_memory(p.slot)) for p in pins]
-        hs = self.hashes(n)
-        refs = [common_pb2.BlockRef(hash=h, checksum=s) for h, s in zip(hs, sums, strict=True)]
-        t = time.perf_counter()
-        await self.a.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hs, sums,
-                                                                     strict=True)], self.dest)
-        got = await self.b.await_blocks(refs, timeout=120)
-        dt = time.perf_counter() - t
-        await self.b.release([p.pin_id for p in got])
-        return dt
-
-    async def e2e_once(self, n: int, out: torch.Tensor) -> float:
-        """(d): engine write on A -> Commit+push -> Await on B -> engine read -> Release."""
-        hs = self.hashes(n)
-        t = time.perf_counter()
-        pins = await self.a.allocate(n)
-        for p in pins:
-            self.write(p.slot)
-        await self.a.commit([CommitEntry(p, h) for p, h in zip(pins, hs, strict=True)],
-                            self.dest)
-        got = await self.b.await_blocks([common_pb2.BlockRef(hash=h) for h in hs], timeout=120)
-        for p in got:
-            out.copy_(self.b.slot_view(p.slot))
-        await self.b.release([p.pin_id for p in got])
-        return time.perf_counter() - t
-
-
 async def _run(sizes: list[int], quick: bool) -> list[dict[str, float]]:
-    (pa, addr_a), (pb, addr_b) = _kvd_pair(2 * max(sizes) + 64)
-    sink, sink_port = _spawn(["-c", _SINK])
-    a, b = KvdClient(addr_a, "bench-a"), KvdClient(addr_b, "bench-b")
+    procs, clients, pairs = await kvd_pairs(2 * max(sizes) + 64)
+    sink, sink_port = spawn(["-c", _SINK])
+    procs.append(sink)
     try:
-        await a.register(LAYOUT)
-        await b.register(LAYOUT)
-        pair = KvdPair(a, b, common_pb2.KvdEndpoint(node_id=addr_b, address=addr_b))
-        await pair.kvd_once(1)  # warm-up: endpoints, channels
         out = torch.empty(LAYOUT.shape, dtype=torch.bfloat16)
         rows = []
         for n in sizes:
             reps = 20 if n == 1 else (3 if quick or n >= 256 else 5)
-            kvd = [await pair.kvd_once(n) for _ in range(reps)]
-            e2e = [await pair.e2e_once(n, out) for _ in range(reps)]
             nbytes = n * MIB
-            rows.append({
-                "batch_bytes": nbytes,
-                "memcpy_gbps": bench_memcpy(n, reps),
-                "memcpy_blocks_gbps": bench_memcpy(n, reps, MIB),
-                "kvd_gbps": nbytes / statistics.median(kvd) / 1e9,
-                "kvd_best_gbps": nbytes / min(kvd) / 1e9,
-                "grpc_gbps": await bench_grpc(f"127.0.0.1:{sink_port}", n, min(reps, 5)),
-                "e2e_gbps": nbytes / statistics.median(e2e) / 1e9,
-                "kvd_latency_ms": statistics.median(kvd) * 1e3,
-                "kvd_best_latency_ms": min(kvd) * 1e3,
-            })
+            row: dict[str, float] = {"batch_bytes": nbytes}
+            for path, pair in pairs.items():
+                kvd = [await pair.kvd_once(n) for _ in range(reps)]
+                e2e = [await pair.e2e_once(n, out) for _ in range(reps)]
+                sfx = "" if path == "same_host" else "_ucx"
+                row |= {f"kvd{sfx}_gbps": nbytes / statistics.median(kvd) / 1e9,
+                        f"kvd{sfx}_best_gbps": nbytes / min(kvd) / 1e9,
+                        f"e2e{sfx}_gbps": nbytes / statistics.median(e2e) / 1e9,
+                        f"kvd{sfx}_latency_ms": statistics.median(kvd) * 1e3,
+                        f"e2e{sfx}_latency_ms": statistics.median(e2e) * 1e3}
+            row |= {"memcpy_gbps": bench_memcpy(n, reps),
+                    "memcpy_blocks_gbps": bench_memcpy(n, reps, MIB),
+                    "grpc_gbps": await bench_grpc(f"127.0.0.1:{sink_port}", n, min(reps, 5))}
+            rows.append(row)
         return rows
     finally:
-        await a.close()
-        await b.close()
-        for p in (pa, pb, sink):
-            p.terminate()
-            p.wait(timeout=30)
+        await close_all(procs, clients)
 
 
 # -- --kv-dtypes: blocks/s per KV cache dtype ----------------------------------------------------
@@ -197,40 +134,10 @@ SHAPE = {"num_layers": 30, "block_size": 16, "num_kv_heads": 3, "head_dim": 64}
 DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "int8")
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (all held open while picking, so none repeats)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _kvd(capacity_mib: int, port: int, peer: str) -> tuple[subprocess.Popen[str], str]:
-    """A kvd on ``port`` that accepts ``peer`` as a kvd node (push destinations and Transfer
-    callers must be registered: no Redis registry here)."""
-    proc, line = _spawn(["-m", "services.kvd", "--port", str(port), "--capacity-mib",
-                         str(capacity_mib), "--peers", peer])
-    if "listening on" not in line:
-        raise RuntimeError(f"kvd did not start: {line!r}")
-    return proc, line.split("listening on ")[1].split()[0]
-
-
-def _kvd_pair(capacity_mib: int) -> tuple[tuple[subprocess.Popen[str], str], ...]:
-    """Two kvds that accept each other as peers (a push destination must be a registered
-    node; there is no Redis registry here)."""
-    ports = _free_ports(2)
-    return (_kvd(capacity_mib, ports[0], f"127.0.0.1:{ports[1]}"),
-            _kvd(capacity_mib, ports[1], f"127.0.0.1:{ports[0]}"))
-
-
 async def _one_dtype(dtype: str, num_blocks: int, reps: int) -> dict[str, float | str]:
     layout = BlockLayout(**SHAPE, dtype=dtype)  # type: ignore[arg-type]
     capacity = math.ceil(2 * num_blocks * layout.block_bytes / MIB) + 16
-    (pa, addr_a), (pb, addr_b) = _kvd_pair(capacity)
+    (pa, addr_a), (pb, addr_b) = kvd_pair(capacity)
     a, b = KvdClient(addr_a, "bench-a"), KvdClient(addr_b, "bench-b")
     try:
         await a.register(layout)
@@ -285,15 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     # 2-core host, 40x slower copies).
     torch.set_num_threads(1)
     rows = asyncio.run(_run(sizes, args.quick))
-    print(f"{'batch':>8} {'memcpy':>8} {'kvd':>8} {'kvd best':>8} {'grpc':>8} {'e2e':>8} "
-          f"{'kvd lat':>10} {'kvd/memcpy':>10} {'kvd/grpc':>9}")
+    cols = ("memcpy", "grpc", "kvd", "kvd_ucx", "e2e", "e2e_ucx")
+    print(f"{'batch':>8} " + " ".join(f"{c:>8}" for c in cols)
+          + f" {'kvd lat':>9} {'e2e lat':>9} {'e2e/memcpy':>10} {'e2e/grpc':>8}")
     for r in rows:
-        print(f"{r['batch_bytes'] // MIB:>5}MiB {r['memcpy_gbps']:>8.2f} {r['kvd_gbps']:>8.2f} "
-              f"{r['kvd_best_gbps']:>8.2f} {r['grpc_gbps']:>8.2f} {r['e2e_gbps']:>8.2f} "
-              f"{r['kvd_latency_ms']:>8.2f}ms {r['kvd_gbps'] / r['memcpy_gbps']:>10.2f} "
-              f"{r['kvd_gbps'] / r['grpc_gbps']:>9.2f}")
-    print("(GB/s, medians but memcpy = best; kvd = commit with push until present at B; "
-          "e2e = engine write -> read)")
+        print(f"{r['batch_bytes'] // MIB:>5}MiB "
+              + " ".join(f"{r[c + '_gbps']:>8.2f}" for c in cols)
+              + f" {r['kvd_latency_ms']:>7.2f}ms {r['e2e_latency_ms']:>7.2f}ms"
+              f" {r['e2e_gbps'] / r['memcpy_gbps']:>10.2f} {r['e2e_gbps'] / r['grpc_gbps']:>8.2f}")
+    print("(GB/s, medians but memcpy = best; kvd = Commit with push until present at B; "
+          "e2e = the engine path, write on A -> read on B; _ucx = kvds held to UCX)")
     if args.json:
         for r in rows:
             print(json.dumps(r))

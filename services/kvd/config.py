@@ -61,10 +61,19 @@ class KvdConfig(GrpcServiceConfig):
         "none", choice_kind(*CODECS),
         "lossless codec offered to peers for unquantized blocks, used when the peer enables "
         "it too; off by default: it does not pay on a host's link (docs/benchmarks.md)")
+    same_host: bool = setting(
+        True, BOOL, "same-host pushes: a receiving kvd maps the sending kvd's pool and copies "
+        "the blocks from it (one copy) when both share a host; off = UCX only")
     fault_corrupt_every: int = setting(
         0, int_kind(0), "TEST HOOK: flip a byte of every Nth block sent; 0 = off")
     fault_send_delay_ms: int = setting(
         0, int_kind(0), "TEST HOOK: sleep before sending each transfer's bytes; 0 = off")
+    fault_same_host_corrupt_every: int = setting(
+        0, int_kind(0), "TEST HOOK: flip a byte of every Nth block copied from a same-host "
+        "peer; 0 = off")
+    fault_same_host_delay_ms: int = setting(
+        0, int_kind(0), "TEST HOOK: sleep after a same-host copy, before checking that the "
+        "peer lives; 0 = off")
 
     def __post_init__(self) -> None:
         super().__post_init__()

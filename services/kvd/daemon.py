@@ -14,6 +14,7 @@ import asyncio
 import logging
 import mmap
 import os
+import secrets
 import time
 from collections.abc import Sequence
 from multiprocessing import shared_memory
@@ -27,7 +28,7 @@ from pdserve.hashing import HASH_LEN, block_checksum
 from pdserve.index import IndexUnavailable, NodeRecord, PrefixIndex
 from pdserve.kvd import layout as L
 from pdserve.proto.v1 import common_pb2, kvd_pb2
-from services.kvd import awaiting, peering, segments, wirecodec
+from services.kvd import awaiting, peering, samehost, segments, wirecodec
 from services.kvd.config import KvdConfig
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
@@ -144,7 +145,8 @@ class Kvd:
             segments.segment_name(self.me.node_id, os.getpid(), self.epoch),
             L.segment_bytes(slot_bytes, num_slots))
         assert self._shm.buf is not None
-        L.write_header(self._shm.buf, slot_bytes, num_slots, self.epoch)
+        token = secrets.token_bytes(L.TOKEN_BYTES)
+        L.write_header(self._shm.buf, slot_bytes, num_slots, self.epoch, token)
         arr = np.ndarray((self._shm.size,), dtype=np.uint8, buffer=self._shm.buf)
         # Fault every page in now: a first write into a fresh shm page costs a page fault, and
         # a transfer landing in never-used slots ran at a third of the speed of one landing in
@@ -154,7 +156,9 @@ class Kvd:
         self.layout = layout
         self.shipper = Shipper(Pool(num_slots, self.epoch), arr, L.HEADER_BYTES, slot_bytes,
                                self.transport, self.peers, self.sync, self.me,
-                               self.config.transfer_timeout, layout.dtype, self.codec)
+                               self.config.transfer_timeout, layout.dtype, self.codec,
+                               *samehost.make(self.config, arr, slot_bytes, self._shm.name,
+                                              token))
         log.info("pool created", extra={"fields": {"shm": self._shm.name, "slots": num_slots,
                                                     "slot_bytes": slot_bytes}})
 
@@ -302,7 +306,7 @@ class Kvd:
         out.slots_writing = pool.count(SlotState.WRITING)
         out.bytes_in, out.bytes_out, out.num_transfers = c.bytes_in, c.bytes_out, c.num_transfers
         out.num_errors, out.num_checksum_failures = c.num_errors, c.num_checksum_failures
-        out.num_refetches = c.num_refetches
+        out.num_refetches, out.num_same_host = c.num_refetches, c.num_same_host
         out.num_evictions = pool.counters.num_evictions
         out.num_lease_expiries = pool.counters.num_lease_expiries
         return out

@@ -16,6 +16,7 @@ from services.kvd import wirecodec
 from services.kvd.index_sync import IndexSync
 from services.kvd.peers import Peers
 from services.kvd.pool import PinRecord, Pool
+from services.kvd.samehost import SameHost
 from services.kvd.transfer import UcxTransport
 from services.kvd.wirecodec import WireCodec
 
@@ -30,6 +31,7 @@ class Counters:
     num_errors: int = 0
     num_checksum_failures: int = 0
     num_refetches: int = 0
+    num_same_host: int = 0
 
 
 class Link:
@@ -38,7 +40,9 @@ class Link:
     def __init__(self, pool: Pool, arr: np.ndarray, data_offset: int, slot_bytes: int,
                  transport: UcxTransport, peers: Peers, sync: IndexSync,
                  me: common_pb2.KvdEndpoint, transfer_timeout: float,
-                 kv_dtype: str = "", codec: WireCodec | None = None) -> None:
+                 kv_dtype: str = "", codec: WireCodec | None = None,
+                 same_host: SameHost | None = None, segment: tuple[str, bytes] = ("", b"")
+                 ) -> None:
         self.pool = pool
         self.arr = arr
         self.data_offset = data_offset
@@ -52,6 +56,10 @@ class Link:
         self.codec = codec  # offered per transfer, used if the peer accepts (wirecodec.py)
         self.offer = "" if codec is None or kv_dtype in QUANTIZED else codec.name
         self.counters = Counters()
+        # Same-host pushes (``samehost``): peer pools mapped here (None: off), and this pool's
+        # segment name and token offered to receivers ("": not offered)
+        self.same_host = same_host
+        self.segment = segment
         self.tasks: set[asyncio.Task[None]] = set()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -17,6 +17,17 @@ TRANSFER_SECONDS = Histogram(
 _tracer = trace.get_tracer("pdserve.kvd")
 
 
+def sent_same_host(node: str, peer: str, num_blocks: int, num_bytes: int,
+                   start: float, start_ns: int) -> None:
+    """A push the same-host receiver copied from this pool: its ``kvd.send`` span and time,
+    from the announce (``perf_counter`` ``start``, wall clock ``start_ns``) to its answer."""
+    span = _tracer.start_span("kvd.send", start_time=start_ns)
+    span.set_attributes({"pdserve.kvd.peer": peer, "pdserve.kvd.blocks": num_blocks,
+                         "pdserve.kvd.bytes": num_bytes, "pdserve.kvd.same_host": True})
+    span.end()
+    TRANSFER_SECONDS.labels(node, "out").observe(time.perf_counter() - start)
+
+
 @contextmanager
 def transfer(node: str, direction: str, peer: str, num_blocks: int,
              num_bytes: int) -> Iterator[trace.Span]:

@@ -6,7 +6,9 @@ import grpc
 
 from pdserve.auth import DATA
 from pdserve.channel import insecure_channel
-from pdserve.proto.v1 import kvd_pb2_grpc
+from pdserve.kvd.control import ControlStream
+from pdserve.proto.v1 import kvd_pb2, kvd_pb2_grpc
+from pdserve.telemetry import outbound_metadata
 
 _DOWN = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
@@ -18,6 +20,7 @@ class Peers:
         self.metadata = ((DATA.key, secret),) if secret else ()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._ucx: dict[str, bytes] = {}  # address -> UCX address, as last registered
+        self._streams: dict[str, ControlStream] = {}
 
     def learn(self, registered: dict[str, bytes]) -> None:
         """The registry as read (address -> UCX worker address)."""
@@ -39,10 +42,24 @@ class Peers:
     def stub(self, address: str) -> kvd_pb2_grpc.KvdStub:
         return kvd_pb2_grpc.KvdStub(self._channel(address))
 
+    async def transfer(self, address: str, req: kvd_pb2.TransferRequest,
+                       timeout: float) -> kvd_pb2.TransferResponse:
+        """``Transfer`` to the kvd at ``address``, on the Control stream held open to it (one
+        message, not a call's setup); fails as the unary rpc would (``grpc.RpcError``)."""
+        stream = self._streams.get(address)
+        if stream is None:
+            stream = ControlStream(self.stub(address), lambda: outbound_metadata(self.metadata))
+            self._streams[address] = stream
+        resp: kvd_pb2.TransferResponse = await stream.call("transfer", req, timeout)
+        return resp
+
     def is_down(self, address: str) -> bool:
         return self._channel(address).get_state(try_to_connect=True) in _DOWN
 
     async def close(self) -> None:
+        for stream in self._streams.values():
+            await stream.close()
+        self._streams.clear()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()

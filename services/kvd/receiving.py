@@ -1,6 +1,7 @@
 """The receiving half of shipping: take a peer's push or pull from a source, post the UCX
-receives, verify every block's checksum, refetch bad ones once, and abort a transfer whose
-peer is lost, restarted or stalled (the life cycle is in ``shipping``)."""
+receives (or copy straight from the peer's pool on the same host, ``samehost``), verify every
+block's checksum, refetch bad ones once, and abort a transfer whose peer is lost, restarted or
+stalled (the life cycle is in ``shipping``)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import numpy as np
 from pdserve.errors import StatusError
 from pdserve.hashing import block_checksum
 from pdserve.proto.v1 import common_pb2, kvd_pb2
-from pdserve.telemetry import outbound_metadata
 from services.kvd import metrics
 from services.kvd.link import RPC_TIMEOUT_S, Half, Link
+from services.kvd.samehost import PeerPool
 from services.kvd.transfer import Message, TransportError
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Receiver(Half):
         self._sync = link.sync
         self.slot_view = link.slot_view
         self.inbound: dict[bytes, asyncio.Future[None]] = {}
+        self._same_host = link.same_host
 
     async def serve_push(self, req: kvd_pb2.TransferRequest) -> kvd_pb2.TransferResponse:
         """A peer announces blocks: reserve slots for those new here and post the receives."""
@@ -66,7 +68,15 @@ class Receiver(Half):
         tr = Inbound(req.transfer_id, req.peer, [r.hash for r in refs], slots,
                      [r.checksum for r in refs], codec=self._accept(req.codec),
                      peer_ucx=req.ucx_address)
-        if refs:
+        peer = self._same_host.open(req.shm_name, req.shm_token) \
+            if self._same_host is not None else None
+        if refs and peer is not None:
+            # Shielded: the copy and its outcome (publish, or free the slots and fail the
+            # waiters) must finish even when the sender dies and gRPC cancels this handler.
+            copy = asyncio.ensure_future(self._copy_same_host(tr, peer, src))
+            copy.add_done_callback(lambda f: f.cancelled() or f.exception())
+            await asyncio.shield(copy)
+        elif refs:
             try:
                 ep = await self._transport.endpoint(req.peer.node_id, req.ucx_address)
             except TransportError as exc:
@@ -75,7 +85,39 @@ class Receiver(Half):
                 raise err from exc
             self._spawn(self._receive(tr, ep, self._transport.plan(src, slots)))
         return kvd_pb2.TransferResponse(accepted=accepted, ucx_address=self._transport.address,
-                                        slots=slots, codec=tr.codec)
+                                        slots=slots, codec=tr.codec,
+                                        same_host=peer is not None)
+
+    async def _copy_same_host(self, tr: Inbound, peer: PeerPool, src: list[int]) -> None:
+        """Copy the peer's slots ``src`` into ours (``samehost``), then publish them; ABORTED
+        (slots freed, waiters failed) if the peer died meanwhile."""
+        assert self._same_host is not None
+        positions = range(len(tr.hashes))
+        with metrics.transfer(self._me.node_id, "in", tr.peer.node_id, len(tr.hashes),
+                              len(tr.hashes) * self.slot_bytes):
+            try:
+                if len(src) * self.slot_bytes < _THREAD_VERIFY_BYTES:  # a thread hop costs more
+                    got = self._same_host.copy(peer, src, tr.slots)
+                else:
+                    got = await asyncio.to_thread(self._same_host.copy, peer, src, tr.slots)
+            except ValueError as exc:
+                err = StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                self._fail(tr, positions, err)
+                raise err from exc
+            if self._same_host.faults.delay_ms:
+                await asyncio.sleep(self._same_host.faults.delay_ms / 1000)
+            if not peer.alive():
+                self.counters.num_errors += 1
+                err = StatusError(grpc.StatusCode.ABORTED, f"transfer from {tr.peer.node_id} "
+                                  "aborted: the peer died during a same-host read (pool "
+                                  f"{peer.name}); its blocks were not taken")
+                self._fail(tr, positions, err)
+                raise err
+            bad = self._publish(tr, positions, got)
+        self.counters.num_transfers += 1
+        self.counters.num_same_host += 1
+        if bad:
+            self._refetch(tr, bad)
 
     def _reserve(self, hashes: list[bytes]) -> list[int]:
         slots = self.pool.reserve(hashes) if hashes else []
@@ -103,8 +145,7 @@ class Receiver(Half):
                                       slot_bytes=self.slot_bytes,
                                       kv_dtype=self.kv_dtype, codec=self._offer)
         try:
-            resp = await self._peers.stub(tr.peer.address).Transfer(
-                req, timeout=RPC_TIMEOUT_S, metadata=outbound_metadata(self._peers.metadata))
+            resp = await self._peers.transfer(tr.peer.address, req, RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
             self._fail(tr, range(len(tr.hashes)), StatusError(
                 grpc.StatusCode.ABORTED, f"source {tr.peer.node_id or tr.peer.address} "
@@ -172,14 +213,16 @@ class Receiver(Half):
     async def _verify(self, tr: Inbound, positions: range) -> list[int]:
         """Check each block's checksum; publish the good ones; return the bad positions."""
         def sums() -> list[int]:
-            out = []
-            for p in positions:
-                out.append(block_checksum(self.slot_view(tr.slots[p])))
-            return out
+            return [block_checksum(self.slot_view(tr.slots[p])) for p in positions]
 
         nbytes = len(positions) * self.slot_bytes
         got = await asyncio.to_thread(sums) if nbytes >= _THREAD_VERIFY_BYTES else sums()
-        self.counters.bytes_in += nbytes
+        return self._publish(tr, positions, got)
+
+    def _publish(self, tr: Inbound, positions: range, got: list[int]) -> list[int]:
+        """Publish the blocks whose checksum ``got`` matches the announced one; return the
+        positions of the others."""
+        self.counters.bytes_in += len(positions) * self.slot_bytes
         bad, good = [], []
         for p, checksum in zip(positions, got, strict=True):
             if checksum != tr.checksums[p]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import Sequence
 
 import grpc
 
 from pdserve.errors import StatusError
 from pdserve.proto.v1 import common_pb2, kvd_pb2
-from pdserve.telemetry import outbound_metadata
 from services.kvd import metrics
 from services.kvd.link import RPC_TIMEOUT_S, Half, Link
 from services.kvd.pool import PinRecord
@@ -46,10 +46,14 @@ class Sender(Half):
         req = kvd_pb2.TransferRequest(direction=_PUSH, peer=self._me, blocks=refs,
                                       ucx_address=self._transport.address, transfer_id=tid,
                                       slots=list(slots), slot_bytes=self.slot_bytes,
-                                      kv_dtype=self.kv_dtype, codec=self._offer)
+                                      kv_dtype=self.kv_dtype, codec=self._offer,
+                                      shm_name=self.link.segment[0],
+                                      shm_token=self.link.segment[1])
+        # A same-host receiver copies before it answers: it may take the transfer's time.
+        timeout = RPC_TIMEOUT_S + (self._timeout if req.shm_name else 0)
+        start, start_ns = time.perf_counter(), time.time_ns()
         try:
-            resp = await self._peers.stub(dest.address).Transfer(
-                req, timeout=RPC_TIMEOUT_S, metadata=outbound_metadata(self._peers.metadata))
+            resp = await self._peers.transfer(dest.address, req, timeout)
         except grpc.RpcError as exc:
             log.warning("push announce failed", extra={"fields": {"dest": dest.address,
                                                                   "error": str(exc)}})
@@ -58,7 +62,14 @@ class Sender(Half):
             return None
         sent = [p for p, ok in zip(pins, resp.accepted, strict=False) if ok]
         self._release([p for p, ok in zip(pins, resp.accepted, strict=False) if not ok])
-        if sent:
+        if sent and resp.same_host:  # the receiver copied them from our pool already
+            self._release(sent)
+            metrics.sent_same_host(self._me.node_id, dest.node_id, len(sent),
+                                   len(sent) * self.slot_bytes, start, start_ns)
+            self.counters.bytes_out += len(sent) * self.slot_bytes
+            self.counters.num_transfers += 1
+            self.counters.num_same_host += 1
+        elif sent:
             messages = self._transport.plan([p.slot for p in sent], list(resp.slots))
             self._spawn(self._send(dest, resp.ucx_address, tid, messages, sent,
                                    self._agreed(resp.codec)))

@@ -13,6 +13,7 @@ from pdserve.errors import BadRequest
 from pdserve.kvd.layout import BlockLayout
 from pdserve.proto.v1 import kvd_pb2, kvd_pb2_grpc
 from pdserve.rpc import rpc_handler
+from services.kvd import control
 from services.kvd.daemon import Kvd
 
 
@@ -36,15 +37,12 @@ class KvdServicer(kvd_pb2_grpc.KvdServicer):
     @rpc_handler("Allocate")
     async def Allocate(self, request: kvd_pb2.AllocateRequest,
                        context: grpc.aio.ServicerContext) -> kvd_pb2.AllocateResponse:
-        pins = self.kvd.allocate(request.num_slots, request.lease_ms, request.client_id)
-        return kvd_pb2.AllocateResponse(pins=[kvd_pb2.Pin(slot=p.slot, pin_id=p.pin_id)
-                                              for p in pins])
+        return await control.allocate(self.kvd, request)
 
     @rpc_handler("Commit")
     async def Commit(self, request: kvd_pb2.CommitRequest,
                      context: grpc.aio.ServicerContext) -> kvd_pb2.CommitResponse:
-        dest = request.destination if request.HasField("destination") else None
-        return await self.kvd.commit(request.entries, dest, request.release, request.client_id)
+        return await control.commit(self.kvd, request)
 
     @rpc_handler("Lookup")
     async def Lookup(self, request: kvd_pb2.LookupRequest,
@@ -57,19 +55,12 @@ class KvdServicer(kvd_pb2_grpc.KvdServicer):
                     context: grpc.aio.ServicerContext) -> kvd_pb2.AwaitResponse:
         remaining = context.time_remaining()
         timeout = self.kvd.config.transfer_timeout if remaining is None else max(0.0, remaining)
-        # Finish a little before the caller's deadline so it gets our reason, not its own.
-        timeout = max(0.0, timeout - min(0.05, timeout / 10))
-        source = request.source if request.HasField("source") else None
-        pins = await self.kvd.await_blocks(request.blocks, source, request.lease_ms,
-                                           request.client_id, timeout)
-        return kvd_pb2.AwaitResponse(pins=[kvd_pb2.Pin(slot=p.slot, pin_id=p.pin_id)
-                                           for p in pins])
+        return await control.wait(self.kvd, request, control.margin(timeout))
 
     @rpc_handler("Release")
     async def Release(self, request: kvd_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> kvd_pb2.ReleaseResponse:
-        return kvd_pb2.ReleaseResponse(num_released=self.kvd.release(request.pin_ids,
-                                                                     request.client_id))
+        return await control.release(self.kvd, request)
 
     @rpc_handler("Stats")
     async def Stats(self, request: kvd_pb2.KvdStatsRequest,
@@ -87,6 +78,13 @@ class KvdServicer(kvd_pb2_grpc.KvdServicer):
             await asyncio.Event().wait()  # until the client goes (or this server stops)
         finally:
             self.kvd.close_session(request.client_id)
+
+    @rpc_handler("Control")
+    async def Control(self, request_iterator: AsyncIterator[kvd_pb2.ControlRequest],
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[kvd_pb2.ControlResponse]:
+        async for answer in control.serve(self.kvd, request_iterator):
+            yield answer
 
     @rpc_handler("Transfer")
     async def Transfer(self, request: kvd_pb2.TransferRequest,

@@ -24,6 +24,8 @@ frees the slots and fails the futures with ABORTED (an Await waiting on them fai
 caller must get the blocks elsewhere, e.g. compute them again); a send likewise releases its
 pins. A pull whose source cannot be reached fails the same way.
 A message's plan is the maximal runs contiguous in both pools (``transfer.plan_messages``).
+On one host a push skips UCX: the receiver copies from the sender's mapped pool while the
+sender waits for its answer (``samehost``).
 ``sending`` has the sender's side, ``receiving`` the receiver's, ``link`` what they share;
 ``Shipper`` here is the one face the daemon sees.
 """
@@ -41,6 +43,7 @@ from services.kvd.link import Link
 from services.kvd.peers import Peers
 from services.kvd.pool import Pool
 from services.kvd.receiving import Receiver
+from services.kvd.samehost import SameHost
 from services.kvd.sending import Sender
 from services.kvd.transfer import UcxTransport
 from services.kvd.wirecodec import WireCodec
@@ -52,9 +55,11 @@ class Shipper:
     def __init__(self, pool: Pool, arr: np.ndarray, data_offset: int, slot_bytes: int,
                  transport: UcxTransport, peers: Peers, sync: IndexSync,
                  me: common_pb2.KvdEndpoint, transfer_timeout: float,
-                 kv_dtype: str = "", codec: WireCodec | None = None) -> None:
+                 kv_dtype: str = "", codec: WireCodec | None = None,
+                 same_host: SameHost | None = None, segment: tuple[str, bytes] = ("", b"")
+                 ) -> None:
         self._link = Link(pool, arr, data_offset, slot_bytes, transport, peers, sync, me,
-                          transfer_timeout, kv_dtype, codec)
+                          transfer_timeout, kv_dtype, codec, same_host, segment)
         self._sender = Sender(self._link)
         self._receiver = Receiver(self._link)
         self.pool = pool

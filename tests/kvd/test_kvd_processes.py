@@ -366,8 +366,9 @@ async def test_ucx_reports_the_transports_it_uses(kvd_factory: Factory, redis_ur
     """UCX's own answer (ucp_ep_query), in kvd's metrics and log: on one host the default
     (everything but CMA) takes shared memory; restricted to TCP, only tcp/lo lanes."""
     a = start(kvd_factory, redis_url, "--ucx-tls", tls, "--metrics-port", "0",
-              node_id="lanes-a", log_level="info")
-    b = start(kvd_factory, redis_url, "--ucx-tls", tls, node_id="lanes-b")
+              "--same-host", "false", node_id="lanes-a", log_level="info")
+    b = start(kvd_factory, redis_url, "--ucx-tls", tls, "--same-host", "false",
+              node_id="lanes-b")
     ca, cb = await client(a), await client(b)
     pins, hashes, sums = await write(ca, 3)
     await ca.commit([CommitEntry(p, h) for p, h in zip(pins, hashes, strict=True)],

@@ -117,6 +117,10 @@ class PagedKVCache:
         expected = (len(page_ids), *self.block_shape)
         if tuple(out.shape) != expected:
             raise ValueError(f"out must have shape {expected}, got {tuple(out.shape)}")
+        if self.scales is None:  # page by page straight into ``out``: no gathered copy between
+            for i, page in enumerate(page_ids):
+                out[i].copy_(self.data[:, page])
+            return
         idx = torch.tensor(page_ids, dtype=torch.long, device=self.data.device)
         out.copy_(self.gather(idx))
 

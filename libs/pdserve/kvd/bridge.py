@@ -165,14 +165,16 @@ class KvBridge:
                 current = [engine.page_of(h, page) for h, page in blocks]
                 copied = [i for i, page in enumerate(current) if page is not None]
                 pages = [page for page in current if page is not None]
-                ticket = staging.export(pages, [views[i] for i in copied])
+                ticket = staging.export(pages, [views[i] for i in copied],
+                                        [self.client.slot_memory(pins[i].slot) for i in copied])
                 return copied, ticket
 
             copied, ticket = await self.aengine.call(copy_out)
             await ticket.wait_async()  # the slots hold the bytes (pinned, async on CUDA)
-            entries = [CommitEntry(pins[i], blocks[i][0],
-                                   block_checksum(self.client.slot_memory(pins[i].slot)))
-                       for i in copied]
+            sums = ticket.checksums or [block_checksum(self.client.slot_memory(pins[i].slot))
+                                        for i in copied]
+            entries = [CommitEntry(pins[i], blocks[i][0], s)
+                       for i, s in zip(copied, sums, strict=True)]
             unused = [p.pin_id for i, p in enumerate(pins) if i not in set(copied)]
             if unused:
                 released.update(unused)

@@ -7,8 +7,9 @@ Export (prefill)::
     await client.register(BlockLayout(num_layers, block_size, kv_heads, head_dim, "bfloat16"))
     pins = await client.allocate(len(blocks))
     for pin, block in zip(pins, blocks):
-        client.slot_view(pin.slot).copy_(block)          # [layers, 2, bs, kvh, hd], in place
-    await client.commit([CommitEntry(p, h) for p, h in zip(pins, hashes)], destination=decode_kvd)
+        sums.append(client.write_block(pin.slot, block)) # [layers, 2, bs, kvh, hd]; xxh3 hot
+    await client.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums)],
+                        destination=decode_kvd)
 
 Import (decode)::
 
@@ -16,6 +17,9 @@ Import (decode)::
     for pin in pins:
         paged_cache.scatter(client.slot_view(pin.slot))   # read while pinned
     await client.release([p.pin_id for p in pins])
+
+Allocate, Commit, Await and Release travel on one stream held open to the kvd (``control``;
+``control_stream=False``: unary calls), with the same semantics and errors.
 
 A slot's bytes may be read or written only while its pin is held: kvd never reuses a pinned
 slot, and a pin expires with its lease (``lease_ms``; the kvd default if 0). Failures are
@@ -30,6 +34,7 @@ import mmap
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
+from typing import Any
 
 import torch
 
@@ -37,9 +42,11 @@ from pdserve.auth import DATA
 from pdserve.channel import insecure_channel
 from pdserve.hashing import block_checksum
 from pdserve.kvd import layout as L
+from pdserve.kvd.control import ControlStream
 from pdserve.proto.v1 import common_pb2, kvd_pb2, kvd_pb2_grpc
 from pdserve.telemetry import outbound_metadata
 
+_UNARY = {"allocate": "Allocate", "commit": "Commit", "wait": "Await", "release": "Release"}
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,7 +90,7 @@ def _pins(pb: Sequence[kvd_pb2.Pin]) -> list[Pin]:
 
 class KvdClient:
     def __init__(self, address: str, client_id: str, secret: str = "",
-                 rpc_timeout: float = 10.0) -> None:
+                 rpc_timeout: float = 10.0, control_stream: bool = True) -> None:
         if not address:
             raise ValueError("address: the kvd gRPC address host:port must not be empty")
         self.client_id = client_id
@@ -94,6 +101,8 @@ class KvdClient:
         self._shm: shared_memory.SharedMemory | None = None
         self.layout: L.BlockLayout | None = None
         self.info: PoolInfo | None = None
+        # Allocate/Commit/Await/Release over one held stream (``control``), else unary calls
+        self._control = ControlStream(self._stub, self._metadata) if control_stream else None
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         """The credential, and the current span's trace context (the kvd's spans are its
@@ -151,6 +160,13 @@ class KvdClient:
             raise ValueError("mapped: register() first; the pool is not mapped")
         return self._shm.buf
 
+    def write_block(self, slot: int, block: torch.Tensor) -> int:
+        """Copy ``block`` (``slot_view``'s shape and dtype) into the slot; the xxh3 of the
+        slot's bytes, taken right after the copy while they are still in cache (what a
+        ``CommitEntry`` carries: a second pass later reads them back from memory)."""
+        self.slot_view(slot).copy_(block)
+        return block_checksum(self.slot_memory(slot))
+
     def slot_memory(self, slot: int) -> memoryview:
         """The slot's raw bytes (for checksums and byte-level copies)."""
         shm, info, offset = self._mapped(slot)
@@ -158,10 +174,15 @@ class KvdClient:
         return shm.buf[offset:offset + info.slot_bytes]
 
     async def allocate(self, n: int, lease_ms: int = 0) -> list[Pin]:
-        r = await self._stub.Allocate(
-            kvd_pb2.AllocateRequest(num_slots=n, lease_ms=lease_ms, client_id=self.client_id),
-            timeout=self._timeout, metadata=self._metadata())
-        return _pins(r.pins)
+        req = kvd_pb2.AllocateRequest(num_slots=n, lease_ms=lease_ms, client_id=self.client_id)
+        return _pins((await self._rpc("allocate", req, self._timeout)).pins)
+
+    async def _rpc(self, field: str, req: Any, timeout: float) -> Any:
+        """One of the engine's per-transfer calls: on the control stream, or unary."""
+        if self._control is not None:
+            return await self._control.call(field, req, timeout)
+        method = getattr(self._stub, _UNARY[field])
+        return await method(req, timeout=timeout, metadata=self._metadata())
 
     async def commit(self, entries: Sequence[CommitEntry],
                      destination: common_pb2.KvdEndpoint | None = None,
@@ -176,7 +197,7 @@ class KvdClient:
                                           pin_id=e.pin.pin_id))
         req = kvd_pb2.CommitRequest(entries=pb, destination=destination, release=release,
                                     client_id=self.client_id)
-        r = await self._stub.Commit(req, timeout=self._timeout, metadata=self._metadata())
+        r = await self._rpc("commit", req, self._timeout)
         return CommitResult(r.num_duplicates, r.num_pushed, r.push_started, tuple(r.slots))
 
     async def lookup(self, hashes: Sequence[bytes]) -> int:
@@ -199,14 +220,11 @@ class KvdClient:
         ``timeout``)."""
         req = kvd_pb2.AwaitRequest(blocks=block_refs, source=source, lease_ms=lease_ms,
                                    client_id=self.client_id)
-        r = await self._stub.Await(req, timeout=timeout, metadata=self._metadata())
-        return _pins(r.pins)
+        return _pins((await self._rpc("wait", req, timeout)).pins)
 
     async def release(self, pin_ids: Sequence[int]) -> int:
-        r = await self._stub.Release(kvd_pb2.ReleaseRequest(pin_ids=pin_ids,
-                                                            client_id=self.client_id),
-                                     timeout=self._timeout, metadata=self._metadata())
-        return int(r.num_released)
+        req = kvd_pb2.ReleaseRequest(pin_ids=pin_ids, client_id=self.client_id)
+        return int((await self._rpc("release", req, self._timeout)).num_released)
 
     async def stats(self) -> kvd_pb2.KvdStats:
         return await self._stub.Stats(kvd_pb2.KvdStatsRequest(), timeout=self._timeout,
@@ -222,6 +240,8 @@ class KvdClient:
 
     async def close(self) -> None:
         """Close the channel and unmap the segment (kept mapped while tensor views live)."""
+        if self._control is not None:
+            await self._control.close()
         await self._channel.close()
         self._unmap()
 

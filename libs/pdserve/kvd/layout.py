@@ -9,13 +9,15 @@ The pool is one POSIX shared-memory segment cut into fixed-size slots:
     offset 0            HEADER_BYTES                    + i * slot_bytes
     +-------------------+--------+--------+-----+--------+
     | header (magic,    | slot 0 | slot 1 | ... | slot   |
-    |  slot_bytes, n)   |        |        |     |  n-1   |
+    |  slot_bytes, n,   |        |        |     |  n-1   |
+    |  epoch, token)    |        |        |     |        |
     +-------------------+--------+--------+-----+--------+
 
-The header lets a client check it mapped the segment it was told about. Slot metadata (hash,
-state, pins, leases, checksum) lives in the daemon only: a client reaches a slot's bytes only
-through a pin, and the daemon never reuses a pinned slot, which is the fence that keeps readers
-from seeing a slot being rewritten.
+The header lets a client check it mapped the segment it was told about; its random token
+lets a peer kvd on the same host prove it mapped this very pool (``services/kvd/samehost.py``).
+Slot metadata (hash, state, pins, leases, checksum) lives in the daemon only: a client reaches
+a slot's bytes only through a pin, and the daemon never reuses a pinned slot, which is the
+fence that keeps readers from seeing a slot being rewritten.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ SCALE_BYTES = 4
 HEADER_BYTES = 4096  # page-aligned so slot 0 starts on a page
 _MAGIC = b"PDKVPOOL"
 _HEADER = struct.Struct("<8sQQQ")  # magic, slot_bytes, num_slots, epoch
+_TOKEN = struct.Struct("<16s")  # right after: random per pool (a peer's same-host proof)
+TOKEN_BYTES = _TOKEN.size
 MAX_SLOT_BYTES = 1 << 30
 
 
@@ -75,11 +79,18 @@ def segment_bytes(slot_bytes: int, num_slots: int) -> int:
     return HEADER_BYTES + slot_bytes * num_slots
 
 
-def write_header(buf: memoryview, slot_bytes: int, num_slots: int, epoch: int) -> None:
+def write_header(buf: memoryview, slot_bytes: int, num_slots: int, epoch: int,
+                 token: bytes = bytes(TOKEN_BYTES)) -> None:
     _HEADER.pack_into(buf, 0, _MAGIC, slot_bytes, num_slots, epoch)
+    _TOKEN.pack_into(buf, _HEADER.size, token)
 
 
-def read_header(buf: memoryview) -> tuple[int, int, int]:
+def read_token(buf: memoryview | bytes) -> bytes:
+    """The pool's random token (all zeros in a pool made without one)."""
+    return bytes(_TOKEN.unpack_from(buf, _HEADER.size)[0])
+
+
+def read_header(buf: memoryview | bytes) -> tuple[int, int, int]:
     """``(slot_bytes, num_slots, epoch)`` of a mapped segment; ValueError if it is not a pool."""
     magic, slot_bytes, num_slots, epoch = _HEADER.unpack_from(buf, 0)
     if magic != _MAGIC:

@@ -6,6 +6,7 @@ pinned memory: copies to and from it are DMA, asynchronous, and run on a side st
 next chunk computes.
 
     export (prefill)          compute ──ev──► side: gather pages ──read──► D2H into the slots
+                              (on CPU: a plain copy per slot, checksummed right after it)
                               compute waits for "read" only (later steps may then reuse the
                               pages); the bridge waits for "done" off the engine thread, then
                               checksums the slots and commits
@@ -26,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.hashing import block_checksum
+
 if TYPE_CHECKING:
     from pdserve.engine.engine import Engine
     from pdserve.kvd.client import KvdClient
@@ -37,9 +40,11 @@ _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA c
 class Ticket:
     """One staged copy: done once its event has fired (None: it already is)."""
 
-    def __init__(self, event: torch.cuda.Event | None = None, keep: object = None) -> None:
+    def __init__(self, event: torch.cuda.Event | None = None, keep: object = None,
+                 checksums: list[int] | None = None) -> None:
         self.event = event
         self._keep = keep  # device buffers the copy still reads
+        self.checksums = checksums  # export on CPU: each slot's xxh3, taken right after its copy
 
     async def wait_async(self) -> None:
         if self.event is not None:
@@ -82,13 +87,18 @@ class KvStaging:
             unpin_pool(self._pinned)
             self._pinned = None
 
-    def export(self, page_ids: Sequence[int], views: Sequence[torch.Tensor]) -> Ticket:
-        """Copy pages into slot views (wire blocks: ``PagedKVCache.block_shape``)."""
+    def export(self, page_ids: Sequence[int], views: Sequence[torch.Tensor],
+               memories: Sequence[memoryview] = ()) -> Ticket:
+        """Copy pages into slot views (wire blocks: ``PagedKVCache.block_shape``); on CPU the
+        ticket has the xxh3 of each of ``memories`` (the slots' bytes), taken while hot."""
         engine = self.engine
         if self.side is None:
-            for page, view in zip(page_ids, views, strict=True):
+            sums = []
+            for i, (page, view) in enumerate(zip(page_ids, views, strict=True)):
                 engine.export_blocks([page], view.unsqueeze(0))
-            return Ticket()
+                if memories:
+                    sums.append(block_checksum(memories[i]))
+            return Ticket(checksums=sums if memories else None)
         compute = torch.cuda.current_stream(self.device)
         written = torch.cuda.Event()
         written.record(compute)
@@ -119,8 +129,9 @@ class KvStaging:
 
     def _scatter(self, pages: list[int], blocks: list[torch.Tensor]) -> Ticket:
         cache = self.engine.cache
-        if self.side is None:
-            cache.import_pages(pages, torch.stack(blocks))
+        if self.side is None:  # slot by slot into its page: no stacked copy between
+            for page, block in zip(pages, blocks, strict=True):
+                cache.import_pages([page], block.unsqueeze(0))
             return Ticket()
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.side):
