@@ -51,6 +51,7 @@ from services.router.admission import AdmissionQueue
 from services.router.controlling import RouterController
 from services.router.flow import Flow
 from services.router.grouping import Groups
+from services.router.health import StallLimits
 from services.router.instances import Instance, InstancePool
 from services.router.model import ModelSpec
 from services.router.policy import RouteQuery, RoutingPolicy
@@ -85,6 +86,7 @@ class Router:
     preparer: Preparer = field(default_factory=Preparer)
     max_wait: float = 30.0  # seconds a request may wait for busy engines
     max_retries: int = 2
+    stalls: StallLimits = field(default_factory=StallLimits)  # when a silent engine is left
     poll_interval: float = 1.0
     tool_call_parser: str = "auto"
     controller: RouterController | None = None  # --controller: told of each request
@@ -166,7 +168,7 @@ class Router:
         span = trace.get_current_span()  # Router.Generate's (pdserve.rpc)
         span.set_attribute("pdserve.request_id", prepared.meta.request_id)
         flow = Flow(prepared, time_remaining, outbound_metadata(), arrived,
-                    self.max_retries, max_wait=self.max_wait)
+                    self.max_retries, max_wait=self.max_wait, stalls=self.stalls)
         self.num_in_flight += 1
         metrics.IN_FLIGHT.inc()
         self.counters.num_requests += 1

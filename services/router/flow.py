@@ -13,6 +13,7 @@ import grpc
 from pdserve.errors import StatusError, details_of
 from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
 from services.router import metrics
+from services.router.health import StallLimits
 from services.router.instances import Instance
 from services.router.policy import Choice, RouteQuery
 from services.router.requests import Prepared
@@ -95,6 +96,7 @@ class Flow:
     sent_ids: list[int] = field(default_factory=list)  # the answer's tokens sent so far
     resume: Resume | None = None  # set by a failover: decode from here
     num_failovers: int = 0
+    stalls: StallLimits = field(default_factory=StallLimits)  # when a silent engine is left
 
     def timeout(self) -> float | None:
         """Seconds left for an outbound call: the client's deadline, never more."""

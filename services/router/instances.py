@@ -186,25 +186,35 @@ class InstancePool:
                 task.add_done_callback(self._closing.discard)
 
     async def _check(self, inst: Instance) -> None:
-        try:
-            # wait_for_ready: a poll waits out a reconnect instead of failing during backoff.
-            health, stats = await asyncio.gather(
-                inst.health.Check(health_pb2.HealthCheckRequest(), timeout=self.check_timeout,
-                                  wait_for_ready=True),
-                inst.engine.Stats(engine_pb2.EngineStatsRequest(), timeout=self.check_timeout,
-                                  wait_for_ready=True))
-        except grpc.RpcError as exc:
-            # A check that timed out is a busy engine as often as a dead one: only several in
-            # a row count; an engine that refuses or drops connections is out at once.
-            # (wait_for_ready turns a refused connection into a timeout too: the channel's
-            # state tells them apart.)
+        # wait_for_ready: a poll waits out a reconnect instead of failing during backoff.
+        health, stats = await asyncio.gather(
+            inst.health.Check(health_pb2.HealthCheckRequest(), timeout=self.check_timeout,
+                              wait_for_ready=True),
+            inst.engine.Stats(engine_pb2.EngineStatsRequest(), timeout=self.check_timeout,
+                              wait_for_ready=True), return_exceptions=True)
+        if isinstance(health, grpc.RpcError):
+            # Health is answered off the engine thread: a process that cannot answer it in
+            # time is down, paused or hung, never just busy. Out at once.
+            inst.num_check_timeouts = 0
+            self._set_health(inst, False, f"health check: {health.code().name}")
+            return
+        if isinstance(stats, grpc.RpcError):
+            # Stats that timed out on a live process is a busy engine as often as a broken
+            # one: only several in a row count; one that refuses or drops connections is out
+            # at once. (wait_for_ready turns a refused connection into a timeout too: the
+            # channel's state tells them apart.)
             assert inst.channel is not None
-            is_busy = (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            is_busy = (stats.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                        and inst.channel.get_state() == grpc.ChannelConnectivity.READY)
             inst.num_check_timeouts = inst.num_check_timeouts + 1 if is_busy else 0
             if not is_busy or inst.num_check_timeouts >= self.max_check_failures:
-                self._set_health(inst, False, exc.code().name)
+                self._set_health(inst, False, f"stats: {stats.code().name}")
             return
+        for result in (health, stats):
+            if isinstance(result, BaseException):
+                raise result
+        assert isinstance(health, health_pb2.HealthCheckResponse)
+        assert isinstance(stats, engine_pb2.EngineStats)
         inst.num_check_timeouts = 0
         inst.apply_stats(stats)
         serving = health.status == health_pb2.HealthCheckResponse.SERVING
