@@ -45,6 +45,8 @@ from services.up_banner import banner
 
 ROOT = Path(__file__).resolve().parents[1]
 _BIND_ATTEMPTS = 3  # Redis's port is picked here: one taken first is replaced
+# A child that ran this long before it died is respawned at once; quicker deaths back off.
+STABLE_S = 30.0
 
 
 def _module(name: str) -> list[str]:
@@ -136,6 +138,7 @@ class Stack:
         self.redis_port = 0
         self.redis_restarts = 0
         self.stopping = threading.Event()
+        self.started_at: dict[str, float] = {}  # name -> monotonic time of its last spawn
         self.pidfile = stackfile.StackFile()
 
     def _start_redis(self) -> None:
@@ -270,6 +273,7 @@ class Stack:
     def _start_one(self, proc: Proc) -> None:
         """Start ``proc`` and wait for its ready line, which names the port it bound."""
         proc.start(proc.env)
+        self.started_at[proc.name] = time.monotonic()
         self._write_pidfile()
         self._bound(proc, proc.wait_ready(self.ns.ready_timeout))
 
@@ -317,14 +321,24 @@ class Stack:
                     if self.ns.no_restart:
                         proc.popen = None
                         continue
-                    proc.restarts += 1
-                    due[proc.name] = time.monotonic() + min(5.0, 0.5 * proc.restarts)
+                    due[proc.name] = time.monotonic() + self._backoff(proc)
                 elif time.monotonic() >= due[proc.name]:
                     del due[proc.name]
                     proc.start(proc.env)
+                    self.started_at[proc.name] = time.monotonic()
                     self._write_pidfile()
                     threading.Thread(target=self._await_restart, args=(proc,),
                                      daemon=True).start()
+
+    def _backoff(self, proc: Proc) -> float:
+        """Seconds before ``proc`` is respawned: none after a life of STABLE_S or more (one
+        crash costs only the restart), then 0.5 s more for each quick death in a row (a
+        crash loop does not spin)."""
+        now = time.monotonic()
+        if now - self.started_at.get(proc.name, now) >= STABLE_S:
+            proc.restarts = 0
+        proc.restarts += 1
+        return min(5.0, 0.5 * (proc.restarts - 1))
 
     @staticmethod
     def _report_exit(proc: Proc) -> None:

@@ -66,7 +66,8 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
         max_wait=config.max_wait, max_retries=config.max_retries,
         stalls=StallLimits(config.first_answer_timeout, config.stall_timeout,
                            config.probe_timeout),
-        poll_interval=config.poll_interval, tool_call_parser=config.tool_call_parser)
+        poll_interval=config.poll_interval, recheck_interval=config.recheck_interval,
+        tool_call_parser=config.tool_call_parser)
 
 
 async def create_server(config: RouterConfig, model: ModelSpec | None = None,

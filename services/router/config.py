@@ -73,6 +73,9 @@ class RouterConfig(GrpcServiceConfig):
     max_retries: int = setting(2, int_kind(0), "extra attempts on another instance")
     poll_interval: float = setting(1.0, float_kind(0.05),
                                    "seconds between instance health/stats polls")
+    recheck_interval: float = setting(
+        0.2, float_kind(0.01), "seconds between health checks of the instances out of the "
+        "rotation (a restarted engine is back within this of answering)")
     registry_prefix: str = setting("pdserve:", STR,
                                    "key prefix of the instance registry in Redis")
     index_prefix: str = setting("pdserve:", STR,

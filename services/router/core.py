@@ -88,6 +88,7 @@ class Router:
     max_retries: int = 2
     stalls: StallLimits = field(default_factory=StallLimits)  # when a silent engine is left
     poll_interval: float = 1.0
+    recheck_interval: float = 0.2  # seconds between checks of the instances out of rotation
     tool_call_parser: str = "auto"
     controller: RouterController | None = None  # --controller: told of each request
     slo_gate: SloGate | None = None  # --slo-admission
@@ -95,6 +96,7 @@ class Router:
     fingerprint_order: dict[str, int] = field(default_factory=dict)  # first seen: 0, 1, ...
     num_in_flight: int = 0
     _poll_task: asyncio.Task[None] | None = None
+    _recheck_task: asyncio.Task[None] | None = None
     _background: set[asyncio.Task[object]] = field(default_factory=set)
     groups: Groups = field(init=False)  # which instances serve together (``grouping``)
     runner: Runner = field(init=False)  # steps 4-7 across them (``running``)
@@ -106,11 +108,14 @@ class Router:
     async def start(self) -> None:
         await self.poll()
         self._poll_task = asyncio.create_task(self._poll_loop())
+        self._recheck_task = asyncio.create_task(
+            self.pool.recheck_loop(self.recheck_interval))
 
     async def stop(self) -> None:
-        if self._poll_task is not None:
-            self._poll_task.cancel()
-            await asyncio.gather(self._poll_task, return_exceptions=True)
+        for task in (self._poll_task, self._recheck_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.pool.close()
         self.preparer.close()
 
@@ -168,7 +173,8 @@ class Router:
         span = trace.get_current_span()  # Router.Generate's (pdserve.rpc)
         span.set_attribute("pdserve.request_id", prepared.meta.request_id)
         flow = Flow(prepared, time_remaining, outbound_metadata(), arrived,
-                    self.max_retries, max_wait=self.max_wait, stalls=self.stalls)
+                    self.max_retries, max_wait=self.max_wait, stalls=self.stalls,
+                    came_back=lambda: self.pool.came_back)
         self.num_in_flight += 1
         metrics.IN_FLIGHT.inc()
         self.counters.num_requests += 1

@@ -4,6 +4,7 @@ waits for busy or down instances, and the errors the phases raise (``phases`` ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ class Flow:
     resume: Resume | None = None  # set by a failover: decode from here
     num_failovers: int = 0
     stalls: StallLimits = field(default_factory=StallLimits)  # when a silent engine is left
+    came_back: Callable[[], asyncio.Event] = asyncio.Event  # set when an instance is back
 
     def timeout(self) -> float | None:
         """Seconds left for an outbound call: the client's deadline, never more."""
@@ -129,8 +131,10 @@ class Flow:
                               retry_after=1.0)
         self.num_busy_waits += 1
         metrics.DOWN_WAITS.inc()
-        await asyncio.sleep(delay)
-        return waited + delay
+        start = time.monotonic()
+        with contextlib.suppress(TimeoutError):  # woken early when an instance comes back
+            await asyncio.wait_for(self.came_back().wait(), delay)
+        return waited + time.monotonic() - start
 
     def before_call(self) -> None:
         if not self.is_latency_recorded:

@@ -59,3 +59,18 @@ def test_kill_9_of_pdserve_up_leaves_nothing_running_and_a_relaunch_works() -> N
     while _alive(relaunched) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(relaunched)
+
+
+def test_a_child_that_ran_long_is_respawned_at_once_and_a_crash_loop_backs_off(
+        tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pdserve.procs import Proc
+    from services.launcher import STABLE_S, Stack, build_parser
+
+    stack = Stack(build_parser().parse_args(["--log-dir", str(tmp_path)]))
+    proc = Proc("prefill-0", [], 0)
+    stack.started_at[proc.name] = time.monotonic() - STABLE_S - 1  # up a while, then killed
+    assert stack._backoff(proc) == 0.0
+    stack.started_at[proc.name] = time.monotonic()  # respawned, dies at once, again and again
+    assert [stack._backoff(proc) for _ in range(3)] == [0.5, 1.0, 1.5]
+    stack.started_at[proc.name] = time.monotonic() - STABLE_S - 1  # stable again: at once
+    assert stack._backoff(proc) == 0.0

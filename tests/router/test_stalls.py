@@ -139,3 +139,23 @@ def test_stall_settings_must_be_positive(flag: str) -> None:
 
     with pytest.raises(ValueError, match="--" + flag.replace("_", "-")):
         RouterConfig(prefill=("127.0.0.1:1",), decode=("127.0.0.1:2",), **{flag: 0.0})
+
+
+async def test_a_restarted_prefill_serves_its_waiting_request_without_a_poll(
+        cluster: Cluster) -> None:
+    """The 30 s poll never runs here: the re-check of instances out of the rotation (every
+    0.05 s) finds P back, and the waiting request wakes at once."""
+    p, d = await cluster.engine("P", "prefill"), await cluster.engine("D", "decode")
+    router, client = await cluster.router([p], [d], recheck_interval=0.05, max_wait=20)
+    port = p.port
+    await p.stop()
+    await router.poll()
+    assert not router.pool.instances[p.address].is_healthy
+    call = asyncio.create_task(client.generate(ids=PROMPT, timeout=15))
+    await asyncio.sleep(1.0)  # waiting for P
+    assert not call.done()
+    restarted = time.monotonic()
+    await p.start(port)
+    msgs = await call
+    assert msgs[0].placement.prefill_instance == "P"
+    assert time.monotonic() - restarted < 0.6  # re-check 0.05 s, a reconnect <= 0.25 s
