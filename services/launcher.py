@@ -41,12 +41,14 @@ from pdserve.tool_calls import PARSERS
 from services.devices import engine_flags, parse_cpus, parse_devices, place
 from services.router.config import CONTROLLER_MODES, RouterConfig
 from services.router.policy import POLICIES
+from services.supervisor_spare import ENGINE_MODULES, WarmProc
 from services.up_banner import banner
 
 ROOT = Path(__file__).resolve().parents[1]
 _BIND_ATTEMPTS = 3  # Redis's port is picked here: one taken first is replaced
 # A child that ran this long before it died is respawned at once; quicker deaths back off.
 STABLE_S = 30.0
+SPARE_AFTER_S = 10.0  # an engine up this long gets a warm spare (services.supervisor_spare)
 
 
 def _module(name: str) -> list[str]:
@@ -117,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-arg", action="append", default=[],
                    help="extra router flag, repeatable, e.g. --router-arg=--controller-dwell=5")
     p.add_argument("--no-restart", action="store_true", help="report dead services, do not restart")
+    p.add_argument("--no-warm-spares", dest="warm_spares", action="store_false",
+                   help="restart a dead engine from a fresh process (default: each engine has a "
+                        "spare process with its imports done, which a restart takes over)")
     return p
 
 
@@ -194,7 +199,8 @@ class Stack:
         args = [*_module(module), "--host", self.ns.host, "--port", str(port), *flags]
         if module != "gateway":  # its /metrics is on its HTTP port; the others: a free one
             args += ["--metrics-port", "0"]
-        proc = Proc(name, args, port, cpus, self.secrets.env_for(module, self.env),
+        kind = WarmProc if self.ns.warm_spares and args[2] in ENGINE_MODULES else Proc
+        proc = kind(name, args, port, cpus, self.secrets.env_for(module, self.env),
                     log=self.log_dir / f"{name}.log",
                     verbose=self.ns.verbose or env.up_verbose(), cwd=ROOT)
         self.procs.append(proc)
@@ -322,13 +328,24 @@ class Stack:
                         proc.popen = None
                         continue
                     due[proc.name] = time.monotonic() + self._backoff(proc)
-                elif time.monotonic() >= due[proc.name]:
+                if proc.name in due and time.monotonic() >= due[proc.name]:
                     del due[proc.name]
                     proc.start(proc.env)
                     self.started_at[proc.name] = time.monotonic()
                     self._write_pidfile()
                     threading.Thread(target=self._await_restart, args=(proc,),
                                      daemon=True).start()
+            self._start_spares()
+
+    def _start_spares(self) -> None:
+        """A warm spare for every engine up SPARE_AFTER_S without one (not sooner: its
+        imports would slow the start of the engine it stands in for)."""
+        now = time.monotonic()
+        for proc in self.procs:
+            if (isinstance(proc, WarmProc) and not proc.has_spare and proc.popen is not None
+                    and proc.popen.poll() is None
+                    and now - self.started_at.get(proc.name, now) >= SPARE_AFTER_S):
+                proc.start_spare(proc.env)
 
     def _backoff(self, proc: Proc) -> float:
         """Seconds before ``proc`` is respawned: none after a life of STABLE_S or more (one
@@ -366,6 +383,8 @@ class Stack:
     def stop(self) -> None:
         self.stopping.set()
         for proc in reversed(self.procs):
+            if isinstance(proc, WarmProc):
+                proc.stop_spare()
             proc.stop()
         if self.redis is not None:
             self.redis.terminate()

@@ -216,11 +216,12 @@ class InstancePool:
 
     async def _check_now(self, inst: Instance) -> None:
         # wait_for_ready: a poll waits out a reconnect instead of failing during backoff.
-        health, stats = await asyncio.gather(
+        results: tuple[Any, Any] = await asyncio.gather(
             inst.health.Check(health_pb2.HealthCheckRequest(), timeout=self.check_timeout,
                               wait_for_ready=True),
             inst.engine.Stats(engine_pb2.EngineStatsRequest(), timeout=self.check_timeout,
                               wait_for_ready=True), return_exceptions=True)
+        health, stats = results
         if isinstance(health, grpc.RpcError):
             # Health is answered off the engine thread: a process that cannot answer it in
             # time is down, paused or hung, never just busy. Out at once.
