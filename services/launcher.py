@@ -144,6 +144,7 @@ class Stack:
         self.redis_restarts = 0
         self.stopping = threading.Event()
         self.started_at: dict[str, float] = {}  # name -> monotonic time of its last spawn
+        self.last_spare_at = 0.0
         self.pidfile = stackfile.StackFile()
 
     def _start_redis(self) -> None:
@@ -315,6 +316,7 @@ class Stack:
         restart (an engine loading its model) never holds up another. Children are spawned
         on this thread: the parent-death signal fires when the spawning thread ends."""
         due: dict[str, float] = {}  # a dead service's name -> when to respawn it
+        self.last_spare_at = time.monotonic()  # the stack has just started: not yet
         while not self.stopping.wait(0.1):
             if self.redis is not None and self.redis.poll() is not None:
                 self._restart_redis()
@@ -338,14 +340,19 @@ class Stack:
             self._start_spares()
 
     def _start_spares(self) -> None:
-        """A warm spare for every engine up SPARE_AFTER_S without one (not sooner: its
-        imports would slow the start of the engine it stands in for)."""
+        """A warm spare for an engine up SPARE_AFTER_S without one, one spare at a time,
+        SPARE_AFTER_S apart (their imports compete for the CPU with the engines' start and
+        with each other)."""
         now = time.monotonic()
+        if now - self.last_spare_at < SPARE_AFTER_S:
+            return
         for proc in self.procs:
             if (isinstance(proc, WarmProc) and not proc.has_spare and proc.popen is not None
                     and proc.popen.poll() is None
                     and now - self.started_at.get(proc.name, now) >= SPARE_AFTER_S):
                 proc.start_spare(proc.env)
+                self.last_spare_at = now
+                return
 
     def _backoff(self, proc: Proc) -> float:
         """Seconds before ``proc`` is respawned: none after a life of STABLE_S or more (one
