@@ -19,7 +19,9 @@
                    fails before its first chunk -> another decode pulls from prefill's kvd;
                    could not get the KV (its source lost or partitioned) -> prefilled again
                    on another prefill instance, the first token kept, decoded once more;
-                   fails after -> the client has the tokens so far, then UNAVAILABLE
+                   fails after -> goes on on another decode from the tokens sent
+                   (``failover``); an engine silent on a call that does not answer a
+                   health check either (paused, hung: ``health``) counts as failed
       8. finish    final message carries finish_reason and usage; quota refunded
     With tools, the relayed text is read for tool calls (``tools.with_tool_calls``); with echo
     the first message carries the prompt's text (prompt logprobs ride on it from the engine).
