@@ -41,10 +41,14 @@ from pdserve.tool_calls import PARSERS
 from services.devices import engine_flags, parse_cpus, parse_devices, place
 from services.router.config import CONTROLLER_MODES, RouterConfig
 from services.router.policy import POLICIES
+from services.supervisor_spare import ENGINE_MODULES, WarmProc
 from services.up_banner import banner
 
 ROOT = Path(__file__).resolve().parents[1]
 _BIND_ATTEMPTS = 3  # Redis's port is picked here: one taken first is replaced
+# A child that ran this long before it died is respawned at once; quicker deaths back off.
+STABLE_S = 30.0
+SPARE_AFTER_S = 10.0  # an engine up this long gets a warm spare (services.supervisor_spare)
 
 
 def _module(name: str) -> list[str]:
@@ -119,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "API (no gRPC hop); the standalone router still serves gRPC clients, "
                         "with its own admission queue and quotas")
     p.add_argument("--no-restart", action="store_true", help="report dead services, do not restart")
+    p.add_argument("--no-warm-spares", dest="warm_spares", action="store_false",
+                   help="restart a dead engine from a fresh process (default: each engine has a "
+                        "spare process with its imports done, which a restart takes over)")
     return p
 
 
@@ -140,6 +147,8 @@ class Stack:
         self.redis_port = 0
         self.redis_restarts = 0
         self.stopping = threading.Event()
+        self.started_at: dict[str, float] = {}  # name -> monotonic time of its last spawn
+        self.last_spare_at = 0.0
         self.pidfile = stackfile.StackFile()
 
     def _start_redis(self) -> None:
@@ -195,7 +204,8 @@ class Stack:
         args = [*_module(module), "--host", self.ns.host, "--port", str(port), *flags]
         if module != "gateway":  # its /metrics is on its HTTP port; the others: a free one
             args += ["--metrics-port", "0"]
-        proc = Proc(name, args, port, cpus, self.secrets.env_for(module, self.env),
+        kind = WarmProc if self.ns.warm_spares and args[2] in ENGINE_MODULES else Proc
+        proc = kind(name, args, port, cpus, self.secrets.env_for(module, self.env),
                     log=self.log_dir / f"{name}.log",
                     verbose=self.ns.verbose or env.up_verbose(), cwd=ROOT)
         self.procs.append(proc)
@@ -278,6 +288,7 @@ class Stack:
     def _start_one(self, proc: Proc) -> None:
         """Start ``proc`` and wait for its ready line, which names the port it bound."""
         proc.start(proc.env)
+        self.started_at[proc.name] = time.monotonic()
         self._write_pidfile()
         self._bound(proc, proc.wait_ready(self.ns.ready_timeout))
 
@@ -314,6 +325,7 @@ class Stack:
         restart (an engine loading its model) never holds up another. Children are spawned
         on this thread: the parent-death signal fires when the spawning thread ends."""
         due: dict[str, float] = {}  # a dead service's name -> when to respawn it
+        self.last_spare_at = time.monotonic()  # the stack has just started: not yet
         while not self.stopping.wait(0.1):
             if self.redis is not None and self.redis.poll() is not None:
                 self._restart_redis()
@@ -326,14 +338,40 @@ class Stack:
                     if self.ns.no_restart:
                         proc.popen = None
                         continue
-                    proc.restarts += 1
-                    due[proc.name] = time.monotonic() + min(5.0, 0.5 * proc.restarts)
-                elif time.monotonic() >= due[proc.name]:
+                    due[proc.name] = time.monotonic() + self._backoff(proc)
+                if proc.name in due and time.monotonic() >= due[proc.name]:
                     del due[proc.name]
                     proc.start(proc.env)
+                    self.started_at[proc.name] = time.monotonic()
                     self._write_pidfile()
                     threading.Thread(target=self._await_restart, args=(proc,),
                                      daemon=True).start()
+            self._start_spares()
+
+    def _start_spares(self) -> None:
+        """A warm spare for an engine up SPARE_AFTER_S without one, one spare at a time,
+        SPARE_AFTER_S apart (their imports compete for the CPU with the engines' start and
+        with each other)."""
+        now = time.monotonic()
+        if now - self.last_spare_at < SPARE_AFTER_S:
+            return
+        for proc in self.procs:
+            if (isinstance(proc, WarmProc) and not proc.has_spare and proc.popen is not None
+                    and proc.popen.poll() is None
+                    and now - self.started_at.get(proc.name, now) >= SPARE_AFTER_S):
+                proc.start_spare(proc.env)
+                self.last_spare_at = now
+                return
+
+    def _backoff(self, proc: Proc) -> float:
+        """Seconds before ``proc`` is respawned: none after a life of STABLE_S or more (one
+        crash costs only the restart), then 0.5 s more for each quick death in a row (a
+        crash loop does not spin)."""
+        now = time.monotonic()
+        if now - self.started_at.get(proc.name, now) >= STABLE_S:
+            proc.restarts = 0
+        proc.restarts += 1
+        return min(5.0, 0.5 * (proc.restarts - 1))
 
     @staticmethod
     def _report_exit(proc: Proc) -> None:
@@ -361,6 +399,8 @@ class Stack:
     def stop(self) -> None:
         self.stopping.set()
         for proc in reversed(self.procs):
+            if isinstance(proc, WarmProc):
+                proc.stop_spare()
             proc.stop()
         if self.redis is not None:
             self.redis.terminate()

@@ -11,6 +11,7 @@ from services.router.admission import AdmissionQueue
 from services.router.config import RouterConfig
 from services.router.controlling import calibrated_model, maybe_controller
 from services.router.core import Router
+from services.router.health import StallLimits
 from services.router.instances import InstancePool
 from services.router.model import ModelSpec, load_model_spec
 from services.router.policy import make_policy
@@ -66,7 +67,10 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
                                       config.max_prompt_bytes),
         admission=admission,
         max_wait=config.max_wait, max_retries=config.max_retries,
-        poll_interval=config.poll_interval, tool_call_parser=config.tool_call_parser)
+        stalls=StallLimits(config.first_answer_timeout, config.stall_timeout,
+                           config.probe_timeout),
+        poll_interval=config.poll_interval, recheck_interval=config.recheck_interval,
+        tool_call_parser=config.tool_call_parser)
 
 
 async def create_server(config: RouterConfig, model: ModelSpec | None = None,

@@ -58,12 +58,24 @@ class RouterConfig(GrpcServiceConfig):
                               "most requests waiting for a --max-concurrent slot; beyond: 429")
     max_wait: float = setting(30.0, float_kind(0.0), "seconds a request may wait while every "
                               "engine answers busy (KV cache or queue full) before a 429")
-    health_failures: int = setting(3, int_kind(1), "consecutive timed-out health checks "
-                                   "before an instance leaves the rotation")
+    health_failures: int = setting(3, int_kind(1), "consecutive timed-out Stats calls (a busy "
+                                   "engine) before an instance leaves the rotation; a timed-out "
+                                   "health check (a paused or hung process) takes it out at once")
+    first_answer_timeout: float = setting(
+        3.0, float_kind(0.01), "seconds an engine call may bring nothing (a prefill's answer, "
+        "a decode's first chunk) before the engine is probed (--probe-timeout); one that does "
+        "not answer is left and the request goes on on another instance")
+    stall_timeout: float = setting(3.0, float_kind(0.01), "seconds a decode stream may bring no "
+                                   "chunk before the engine is probed, as --first-answer-timeout")
+    probe_timeout: float = setting(2.0, float_kind(0.01), "seconds an engine silent on a call "
+                                   "has to answer a health check before the call is left")
     quotas_file: str = setting("", STR, "per-tenant quotas file (JSON); empty = no quotas")
     max_retries: int = setting(2, int_kind(0), "extra attempts on another instance")
     poll_interval: float = setting(1.0, float_kind(0.05),
                                    "seconds between instance health/stats polls")
+    recheck_interval: float = setting(
+        0.2, float_kind(0.01), "seconds between health checks of the instances out of the "
+        "rotation (a restarted engine is back within this of answering)")
     registry_prefix: str = setting("pdserve:", STR,
                                    "key prefix of the instance registry in Redis")
     index_prefix: str = setting("pdserve:", STR,

@@ -19,7 +19,9 @@
                    fails before its first chunk -> another decode pulls from prefill's kvd;
                    could not get the KV (its source lost or partitioned) -> prefilled again
                    on another prefill instance, the first token kept, decoded once more;
-                   fails after -> the client has the tokens so far, then UNAVAILABLE
+                   fails after -> goes on on another decode from the tokens sent
+                   (``failover``); an engine silent on a call that does not answer a
+                   health check either (paused, hung: ``health``) counts as failed
       8. finish    final message carries finish_reason and usage; quota refunded
     With tools, the relayed text is read for tool calls (``tools.with_tool_calls``); with echo
     the first message carries the prompt's text (prompt logprobs ride on it from the engine).
@@ -51,6 +53,7 @@ from services.router.admission import AdmissionQueue
 from services.router.controlling import RouterController
 from services.router.flow import Flow
 from services.router.grouping import Groups
+from services.router.health import StallLimits
 from services.router.instances import Instance, InstancePool
 from services.router.model import ModelSpec
 from services.router.policy import RouteQuery, RoutingPolicy
@@ -85,7 +88,9 @@ class Router:
     preparer: Preparer = field(default_factory=Preparer)
     max_wait: float = 30.0  # seconds a request may wait for busy engines
     max_retries: int = 2
+    stalls: StallLimits = field(default_factory=StallLimits)  # when a silent engine is left
     poll_interval: float = 1.0
+    recheck_interval: float = 0.2  # seconds between checks of the instances out of rotation
     tool_call_parser: str = "auto"
     controller: RouterController | None = None  # --controller: told of each request
     slo_gate: SloGate | None = None  # --slo-admission
@@ -93,6 +98,7 @@ class Router:
     fingerprint_order: dict[str, int] = field(default_factory=dict)  # first seen: 0, 1, ...
     num_in_flight: int = 0
     _poll_task: asyncio.Task[None] | None = None
+    _recheck_task: asyncio.Task[None] | None = None
     _background: set[asyncio.Task[object]] = field(default_factory=set)
     groups: Groups = field(init=False)  # which instances serve together (``grouping``)
     runner: Runner = field(init=False)  # steps 4-7 across them (``running``)
@@ -104,11 +110,14 @@ class Router:
     async def start(self) -> None:
         await self.poll()
         self._poll_task = asyncio.create_task(self._poll_loop())
+        self._recheck_task = asyncio.create_task(
+            self.pool.recheck_loop(self.recheck_interval))
 
     async def stop(self) -> None:
-        if self._poll_task is not None:
-            self._poll_task.cancel()
-            await asyncio.gather(self._poll_task, return_exceptions=True)
+        for task in (self._poll_task, self._recheck_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.pool.close()
         self.preparer.close()
 
@@ -166,7 +175,8 @@ class Router:
         span = trace.get_current_span()  # Router.Generate's (pdserve.rpc)
         span.set_attribute("pdserve.request_id", prepared.meta.request_id)
         flow = Flow(prepared, time_remaining, outbound_metadata(), arrived,
-                    self.max_retries, max_wait=self.max_wait)
+                    self.max_retries, max_wait=self.max_wait, stalls=self.stalls,
+                    came_back=lambda: self.pool.came_back)
         self.num_in_flight += 1
         metrics.IN_FLIGHT.inc()
         self.counters.num_requests += 1

@@ -4,6 +4,7 @@ waits for busy or down instances, and the errors the phases raise (``phases`` ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ import grpc
 from pdserve.errors import StatusError, details_of
 from pdserve.proto.v1 import common_pb2, engine_pb2, router_pb2
 from services.router import metrics
+from services.router.health import StallLimits
 from services.router.instances import Instance
 from services.router.policy import Choice, RouteQuery
 from services.router.requests import Prepared
@@ -95,6 +97,8 @@ class Flow:
     sent_ids: list[int] = field(default_factory=list)  # the answer's tokens sent so far
     resume: Resume | None = None  # set by a failover: decode from here
     num_failovers: int = 0
+    stalls: StallLimits = field(default_factory=StallLimits)  # when a silent engine is left
+    came_back: Callable[[], asyncio.Event] = asyncio.Event  # set when an instance is back
 
     def timeout(self) -> float | None:
         """Seconds left for an outbound call: the client's deadline, never more."""
@@ -127,8 +131,10 @@ class Flow:
                               retry_after=1.0)
         self.num_busy_waits += 1
         metrics.DOWN_WAITS.inc()
-        await asyncio.sleep(delay)
-        return waited + delay
+        start = time.monotonic()
+        with contextlib.suppress(TimeoutError):  # woken early when an instance comes back
+            await asyncio.wait_for(self.came_back().wait(), delay)
+        return waited + time.monotonic() - start
 
     def before_call(self) -> None:
         if not self.is_latency_recorded:

@@ -27,11 +27,11 @@ from pdserve.roles import Role
 
 log = logging.getLogger(__name__)
 
-# An engine that restarts must be back in the rotation within about a poll: gRPC's default
-# reconnect backoff grows to two minutes.
+# An engine that restarts must be back in the rotation within moments of its start: gRPC's
+# default reconnect backoff grows to two minutes (attempts on loopback or a LAN cost little).
 RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100),
                      ("grpc.min_reconnect_backoff_ms", 100),
-                     ("grpc.max_reconnect_backoff_ms", 1000))
+                     ("grpc.max_reconnect_backoff_ms", 250))
 # How long requests in flight on an instance that left the registry may still finish.
 EXPIRED_GRACE_S = 60.0
 
@@ -56,7 +56,8 @@ class Instance:
     num_inflight_decodes: int = 0
     num_routed: int = 0
     num_errors: int = 0
-    num_check_timeouts: int = 0  # consecutive health checks that timed out
+    num_check_timeouts: int = 0  # consecutive Stats calls that timed out
+    is_checking: bool = False  # a health check is in flight
     # Engines report recent throughput, which is load as much as speed (an idle engine shows
     # ~0): the fastest rate an instance has shown is the better estimate of what it can do.
     peak_prefill_tokens_per_s: float = 0.0
@@ -124,6 +125,8 @@ class InstancePool:
         self.max_check_failures = max_check_failures
         self.instances: dict[str, Instance] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        # Set (and replaced) whenever an instance comes back: requests waiting for one wake.
+        self.came_back = asyncio.Event()
         self.is_registry_available = redis is not None
         for role, addresses in ((common_pb2.ROLE_PREFILL, static_prefill),
                                 (common_pb2.ROLE_DECODE, static_decode)):
@@ -148,6 +151,23 @@ class InstancePool:
         if self.redis is not None:
             await self._refresh_registry()
         await asyncio.gather(*(self._check(i) for i in list(self.instances.values())))
+
+    async def recheck_loop(self, interval: float) -> None:
+        """Every ``interval``, check the instances out of the rotation (each in its own task,
+        one at a time per instance): a restarted engine is back as soon as it answers, not at
+        the next poll; a paused one's slow check holds up no other."""
+        checks: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                for inst in list(self.instances.values()):
+                    if not inst.is_healthy and not inst.is_checking:
+                        task = asyncio.create_task(self._check(inst))
+                        checks.add(task)
+                        task.add_done_callback(checks.discard)
+        finally:
+            for task in checks:
+                task.cancel()
 
     async def close(self) -> None:
         for task in self._closing:
@@ -186,34 +206,56 @@ class InstancePool:
                 task.add_done_callback(self._closing.discard)
 
     async def _check(self, inst: Instance) -> None:
+        if inst.is_checking:  # the recheck loop's: one at a time
+            return
+        inst.is_checking = True
         try:
-            # wait_for_ready: a poll waits out a reconnect instead of failing during backoff.
-            health, stats = await asyncio.gather(
-                inst.health.Check(health_pb2.HealthCheckRequest(), timeout=self.check_timeout,
-                                  wait_for_ready=True),
-                inst.engine.Stats(engine_pb2.EngineStatsRequest(), timeout=self.check_timeout,
-                                  wait_for_ready=True))
-        except grpc.RpcError as exc:
-            # A check that timed out is a busy engine as often as a dead one: only several in
-            # a row count; an engine that refuses or drops connections is out at once.
-            # (wait_for_ready turns a refused connection into a timeout too: the channel's
-            # state tells them apart.)
+            await self._check_now(inst)
+        finally:
+            inst.is_checking = False
+
+    async def _check_now(self, inst: Instance) -> None:
+        # wait_for_ready: a poll waits out a reconnect instead of failing during backoff.
+        results: tuple[Any, Any] = await asyncio.gather(
+            inst.health.Check(health_pb2.HealthCheckRequest(), timeout=self.check_timeout,
+                              wait_for_ready=True),
+            inst.engine.Stats(engine_pb2.EngineStatsRequest(), timeout=self.check_timeout,
+                              wait_for_ready=True), return_exceptions=True)
+        health, stats = results
+        if isinstance(health, grpc.RpcError):
+            # Health is answered off the engine thread: a process that cannot answer it in
+            # time is down, paused or hung, never just busy. Out at once.
+            inst.num_check_timeouts = 0
+            self._set_health(inst, False, f"health check: {health.code().name}")
+            return
+        if isinstance(stats, grpc.RpcError):
+            # Stats that timed out on a live process is a busy engine as often as a broken
+            # one: only several in a row count; one that refuses or drops connections is out
+            # at once. (wait_for_ready turns a refused connection into a timeout too: the
+            # channel's state tells them apart.)
             assert inst.channel is not None
-            is_busy = (exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            is_busy = (stats.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                        and inst.channel.get_state() == grpc.ChannelConnectivity.READY)
             inst.num_check_timeouts = inst.num_check_timeouts + 1 if is_busy else 0
             if not is_busy or inst.num_check_timeouts >= self.max_check_failures:
-                self._set_health(inst, False, exc.code().name)
+                self._set_health(inst, False, f"stats: {stats.code().name}")
             return
+        for result in (health, stats):
+            if isinstance(result, BaseException):
+                raise result
+        assert isinstance(health, health_pb2.HealthCheckResponse)
+        assert isinstance(stats, engine_pb2.EngineStats)
         inst.num_check_timeouts = 0
         inst.apply_stats(stats)
         serving = health.status == health_pb2.HealthCheckResponse.SERVING
         ok = serving and not stats.draining and inst.role != common_pb2.ROLE_UNSPECIFIED
         self._set_health(inst, ok, "" if ok else ("draining" if stats.draining else "not serving"))
 
-    @staticmethod
-    def _set_health(inst: Instance, ok: bool, why: str) -> None:
+    def _set_health(self, inst: Instance, ok: bool, why: str) -> None:
         if ok != inst.is_healthy:
             log.info("instance healthy" if ok else "instance unhealthy",
                      extra={"fields": {"instance": inst.instance_id, "why": why}})
+            if ok:
+                self.came_back.set()
+                self.came_back = asyncio.Event()
         inst.is_healthy = ok

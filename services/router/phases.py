@@ -21,6 +21,7 @@ from services.router.flow import (
     retry_after_of,
     rpc_error,
 )
+from services.router.health import watched
 from services.router.instances import Instance, InstancePool
 from services.router.policy import RoutingPolicy
 
@@ -49,8 +50,8 @@ async def run_prefill(flow: Flow, policy: RoutingPolicy, pool: InstancePool,
         flow.touched.append(p)
         try:
             flow.before_call()
-            response = await p.prefill.Prefill(request, timeout=flow.timeout(),
-                                               metadata=flow.metadata)
+            call = p.prefill.Prefill(request, timeout=flow.timeout(), metadata=flow.metadata)
+            response = await watched(call, p, flow.stalls, True, call.cancel, "prefill")
         except grpc.RpcError as exc:
             pool.mark_failed(p, exc.code())
             if exc.code() not in RETRYABLE:
@@ -221,7 +222,7 @@ async def _relay_one(flow: Flow, decode: Instance, first: router_pb2.GenerateRes
     try:
         if first is not None:
             yield first
-        async for chunk in call:
+        async for chunk in _chunks(flow, decode, call):
             message = router_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text,
                                                   logprobs=chunk.logprobs,
                                                   finish_reason=chunk.finish_reason,
@@ -244,6 +245,19 @@ async def _relay_one(flow: Flow, decode: Instance, first: router_pb2.GenerateRes
     finally:
         call.cancel()  # no-op when finished; on client cancel or error, frees the engine's side
         decode.num_inflight_decodes -= 1
+
+
+async def _chunks(flow: Flow, decode: Instance, call: grpc.aio.UnaryStreamCall,
+                  ) -> AsyncIterator[engine_pb2.DecodeChunk]:
+    """``call``'s chunks; a decode that stops sending them and answers no health check
+    raises ``Stalled`` (``health``)."""
+    is_first = True
+    while True:
+        chunk = await watched(call.read(), decode, flow.stalls, is_first, call.cancel, "decode")
+        if chunk is grpc.aio.EOF:
+            return
+        is_first = False
+        yield chunk
 
 
 class _StreamEnded(grpc.RpcError):

@@ -3,7 +3,9 @@
 A ``FakeEngine`` serves Prefill, Decode, Engine and grpc health like an engine would, answers
 at once, and records what it was sent (requests, metadata, deadlines, aborts, cancellations).
 Scripts are lists consumed one call at a time: ``prefill_errors`` / ``decode_errors`` hold a
-status code (fail) or None (behave) per call.
+status code (fail) or None (behave) per call. ``pause()`` makes it answer nothing, health checks
+included, until ``resume()``, as a SIGSTOP'd process (``decode_pause_after``: by itself, after
+that many chunks of a stream).
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ class Seen:
     cancelled: list[str] = field(default_factory=list)  # request ids whose stream was cancelled
 
 
+class _PausableHealth(health.aio.HealthServicer):
+    def __init__(self, running: asyncio.Event) -> None:
+        super().__init__()
+        self.running = running
+
+    async def Check(self, request: health_pb2.HealthCheckRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+        await self.running.wait()
+        return await super().Check(request, context)
+
+
 class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer,
                  engine_pb2_grpc.EngineServicer):
     def __init__(self, name: str, role: str, node: str = "", num_tokens: int = 3,
@@ -49,7 +62,11 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
         self.stats_delay = 0.0
         self.seen = Seen()
         self.server: grpc.aio.Server | None = None
-        self.health = health.aio.HealthServicer()
+        self.running = asyncio.Event()  # cleared: paused
+        self.running.set()
+        self.decode_pause_after: int | None = None  # chunks streamed before pausing itself
+        self.decode_first_delay = 0.0  # seconds before the first chunk (alive, answering)
+        self.health = _PausableHealth(self.running)
         self.port = 0
 
     @property
@@ -67,6 +84,12 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         return self
 
+    def pause(self) -> None:
+        self.running.clear()
+
+    def resume(self) -> None:
+        self.running.set()
+
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop(0)
@@ -81,6 +104,7 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
                       context: grpc.aio.ServicerContext) -> engine_pb2.PrefillResponse:
         self.seen.prefills.append(request)
         self._record(context)
+        await self.running.wait()
         error = self.prefill_errors.pop(0) if self.prefill_errors else None
         if error is not None:
             await context.abort(error, f"{self.name}: scripted {error.name}")
@@ -109,7 +133,11 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
         if error is not None:
             await context.abort(error, f"{self.name}: scripted {error.name}")
         try:
+            await asyncio.sleep(self.decode_first_delay)
             for i in range(self.num_tokens):
+                if i == self.decode_pause_after:
+                    self.pause()
+                await self.running.wait()
                 if self.decode_fail_after is not None and i == self.decode_fail_after:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: died")
                 last = i == self.num_tokens - 1 and not self.decode_hang
@@ -129,6 +157,7 @@ class FakeEngine(engine_pb2_grpc.PrefillServicer, engine_pb2_grpc.DecodeServicer
     async def Stats(self, request: engine_pb2.EngineStatsRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> engine_pb2.EngineStats:
         await asyncio.sleep(self.stats_delay)  # a busy engine answers late
+        await self.running.wait()
         out = engine_pb2.EngineStats()
         out.CopyFrom(self.stats)
         out.instance_id, out.role, out.model = self.name, ROLES[self.role], "tiny"
