@@ -80,6 +80,13 @@ class _GroupPlan:
                                     q.dtype)
         kv = kv.view(2, num_seqs, max_kv, num_kv_heads, head_dim).transpose(2, 3)
         qp = q if self.is_whole_step else q.index_select(0, self.q_index.flatten())
+        if max_q == 1:
+            # Decode: the query heads sharing a KV head are that head's queries, so SDPA
+            # reads K and V as stored, with no per-head copy (enable_gqa expands them).
+            qp = qp.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(qp, kv[0], kv[1], attn_mask=self.mask,
+                                                 scale=scale)
+            return out.reshape(num_seqs, num_heads, head_dim)
         qp = qp.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             qp, kv[0], kv[1], attn_mask=self.mask, is_causal=self.is_causal, scale=scale,
