@@ -12,7 +12,11 @@ each) and prefill (chunks), so a long chunk never pads every decode row to its l
     q index     [B, max_q]             -> the group's flat tokens, padded per sequence
 
 so every layer is one index_copy per K/V (store), then per group one index_select (gather) and
-one SDPA, with no Python loop over sequences or tokens.
+one SDPA, with no Python loop over sequences or tokens. In the decode group (one new token per
+sequence) the query heads sharing a KV head are passed as that head's queries,
+``[B, kv_heads, heads / kv_heads, D]``, so SDPA reads the gathered K/V once instead of a copy
+per query head (``enable_gqa``); docs/benchmarks.md has the numbers and the gather-free
+variants that measured slower.
 
 A quantized cache (fp8/int8, ``kv_quant.py``) has a second row array of scales
 ``[pages * 2 * page_size, kv_heads]``: the store quantizes each new token's heads and writes
