@@ -57,7 +57,7 @@ def load_model(
 
 
 def _build(config: ModelConfig, device: torch.device,
-           weights: Iterable[tuple[str, torch.Tensor]], packed: bool) -> CausalLM:
+           weights: Iterable[tuple[str, torch.Tensor]], packed: bool = True) -> CausalLM:
     # Meta first, so no memory is touched until the real weights arrive.
     with torch.device("meta"):
         model = DecoderLM(config)
