@@ -8,7 +8,10 @@ decode tokens/s = the remaining tokens / the remaining time.
 Each repeat runs transformers, pdserve and the GEMM ceiling (``gemm_ceiling.py``: the model's
 own projections alone, at the same rows, dtype and threads) back to back in this process;
 the best run of each counts, and the per-repeat ratios are reported as ranges (the machine
-may be shared). ``gemm_fraction`` = ceiling GEMM time / pdserve decode step time.
+may be shared). ``gemm_fraction`` = ceiling GEMM time / pdserve decode step time. The
+``*_cpu`` fields repeat both ratios in this process's CPU time, which a loaded machine's
+descheduling does not inflate (exact with ``--threads 1``). ``--packed-weights off`` runs
+pdserve on plain weights (``weight_mb`` says what the weights take).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -27,6 +30,7 @@ import torch
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
 from pdserve.models import save_builtin
+from pdserve.models.loader import weight_bytes
 from pdserve.sampling_params import SamplingParams
 from pdserve_bench.gemm_ceiling import cpu_features, gemm_step_seconds
 
@@ -44,6 +48,12 @@ class Result:
     gemm_fraction: float = 0.0         # gemm_step_ms / decode_step_ms
     decode_ratio_range: tuple[float, float] = (0.0, 0.0)   # pdserve / hf, per repeat
     gemm_fraction_range: tuple[float, float] = (0.0, 0.0)  # per repeat
+    packed_weights: bool = True
+    weight_mb: float = 0.0             # pdserve's weights in memory, packed copies included
+    # The same two ratios in CPU time of this process (best runs): what a loaded machine's
+    # descheduling leaves out; meaningful with --threads 1 (idle OpenMP threads spin).
+    decode_cpu_ratio: float = 0.0      # hf decode CPU s / pdserve decode CPU s
+    gemm_fraction_cpu: float = 0.0     # ceiling CPU s / pdserve decode CPU s per step
 
 
 def _prompts(num_seqs: int, prompt_len: int, vocab: int) -> list[list[int]]:
@@ -51,22 +61,23 @@ def _prompts(num_seqs: int, prompt_len: int, vocab: int) -> list[list[int]]:
     return torch.randint(2, vocab, (num_seqs, prompt_len), generator=g).tolist()
 
 
-def run_pdserve(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, decode seconds) for one batch run to completion."""
+def run_pdserve(engine: Engine, prompts: list[list[int]], new_tokens: int
+                ) -> tuple[float, float, float]:
+    """(prefill seconds, decode seconds, decode CPU seconds) for one batch run to completion."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.reset_prefix_cache()  # every run computes its prompts
     for i, p in enumerate(prompts):
         engine.add_request(f"b{len(p)}-{i}-{time.monotonic_ns()}", p, params)
     started: set[str] = set()
     t0 = time.perf_counter()
-    t_first = t0
+    t_first, cpu_first = t0, time.process_time()
     while engine.has_unfinished():
         for out in engine.step():
             if out.new_token_ids and out.request_id not in started:
                 started.add(out.request_id)
                 if len(started) == len(prompts):
-                    t_first = time.perf_counter()
-    return t_first - t0, time.perf_counter() - t_first
+                    t_first, cpu_first = time.perf_counter(), time.process_time()
+    return t_first - t0, time.perf_counter() - t_first, time.process_time() - cpu_first
 
 
 class _FirstTokenClock:
@@ -75,12 +86,12 @@ class _FirstTokenClock:
 
     def __init__(self) -> None:
         self.num_puts = 0
-        self.t_first = 0.0
+        self.t_first = self.cpu_first = 0.0
 
     def put(self, value: torch.Tensor) -> None:
         self.num_puts += 1
         if self.num_puts == 2:
-            self.t_first = time.perf_counter()
+            self.t_first, self.cpu_first = time.perf_counter(), time.process_time()
 
     def end(self) -> None:
         pass
@@ -88,19 +99,20 @@ class _FirstTokenClock:
 
 @torch.inference_mode()
 def run_hf(model: Any, prompts: list[list[int]], new_tokens: int
-           ) -> tuple[float, float]:
-    """(prefill seconds, decode seconds) of one generate call."""
+           ) -> tuple[float, float, float]:
+    """(prefill seconds, decode seconds, decode CPU seconds) of one generate call."""
     ids = torch.tensor(prompts)
     clock = _FirstTokenClock()
     t0 = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
                    eos_token_id=None, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                    streamer=clock)
-    return clock.t_first - t0, time.perf_counter() - clock.t_first
+    return (clock.t_first - t0, time.perf_counter() - clock.t_first,
+            time.process_time() - clock.cpu_first)
 
 
 def bench(concurrencies: list[int], prompt_len: int, new_tokens: int,
-          repeats: int = 1, dtype: str = "float32") -> list[Result]:
+          repeats: int = 1, dtype: str = "float32", packed: bool = True) -> list[Result]:
     """Each side runs ``repeats`` times per concurrency, alternating; the best run counts
     (shared machines are noisy; the best run is the least disturbed one)."""
     import transformers
@@ -112,12 +124,14 @@ def bench(concurrencies: list[int], prompt_len: int, new_tokens: int,
         max_seqs = max(concurrencies)
         engine = Engine.from_model(tmp, EngineArgs(
             dtype=dtype, max_num_seqs=max_seqs, num_blocks=max_seqs * 20 + 16,
-            max_num_batched_tokens=max(2048, prompt_len * 8)))
+            max_num_batched_tokens=max(2048, prompt_len * 8), packed_weights=packed))
     vocab = engine.config.vocab_size
     warm = _prompts(2, 16, vocab)
     run_pdserve(engine, warm, 4)
     run_hf(hf, warm, 4)
-    return [_one_concurrency(engine, hf, n, prompt_len, new_tokens, repeats, dtype)
+    weight_mb = weight_bytes(engine.runner.model) / 2**20
+    return [replace(_one_concurrency(engine, hf, n, prompt_len, new_tokens, repeats, dtype),
+                    packed_weights=packed, weight_mb=round(weight_mb, 1))
             for n in concurrencies]
 
 
@@ -125,24 +139,29 @@ def _one_concurrency(engine: Engine, hf: Any, n: int, prompt_len: int, new_token
                      repeats: int, dtype: str) -> Result:
     prompts = _prompts(n, prompt_len, engine.config.vocab_size)
     steps = new_tokens - 1
-    hf_runs, pd_runs, gemm = [], [], []
+    hf_runs, pd_runs, gemm, gemm_cpu = [], [], [], []
     for _ in range(repeats):
         hf_runs.append(run_hf(hf, prompts, new_tokens))
         pd_runs.append(run_pdserve(engine, prompts, new_tokens))
         gemm.append(gemm_step_seconds(engine.runner.model, n))  # type: ignore[arg-type]
+        gemm_cpu.append(gemm_step_seconds(engine.runner.model, n,  # type: ignore[arg-type]
+                                          clock=time.process_time))
     ratios = [h[1] / p[1] for h, p in zip(hf_runs, pd_runs, strict=True)]
     fractions = [g * steps / p[1] for g, p in zip(gemm, pd_runs, strict=True)]
     hf_pre, hf_dec = min(r[0] for r in hf_runs), min(r[1] for r in hf_runs)
     pd_pre, pd_dec = min(r[0] for r in pd_runs), min(r[1] for r in pd_runs)
+    pd_cpu, hf_cpu = min(r[2] for r in pd_runs), min(r[2] for r in hf_runs)
     return Result(n, n * steps / pd_dec, n * steps / hf_dec, n * prompt_len / pd_pre,
                   n * prompt_len / hf_pre, dtype, 1e3 * pd_dec / steps, 1e3 * min(gemm),
                   min(gemm) * steps / pd_dec, (min(ratios), max(ratios)),
-                  (min(fractions), max(fractions)))
+                  (min(fractions), max(fractions)), decode_cpu_ratio=hf_cpu / pd_cpu,
+                  gemm_fraction_cpu=min(gemm_cpu) * steps / pd_cpu)
 
 
 def format_table(results: list[Result]) -> str:
     lines = [f"{'dtype':>8} {'seqs':>5} {'phase':>8} {'pdserve tok/s':>14} {'hf tok/s':>10} "
-             f"{'ratio':>6} {'ratio range':>12} {'step ms':>8} {'gemm ms':>8} {'of ceiling':>11}"]
+             f"{'ratio':>6} {'ratio range':>12} {'step ms':>8} {'gemm ms':>8} {'of ceiling':>11} "
+             f"{'cpu ratio':>9} {'cpu of ceiling':>14}"]
     for r in results:
         pre = r.pdserve_prefill_tps / r.hf_prefill_tps
         lines.append(f"{r.dtype:>8} {r.num_seqs:>5} {'prefill':>8} {r.pdserve_prefill_tps:>14.1f} "
@@ -152,7 +171,8 @@ def format_table(results: list[Result]) -> str:
         lines.append(f"{r.dtype:>8} {r.num_seqs:>5} {'decode':>8} {r.pdserve_decode_tps:>14.1f} "
                      f"{r.hf_decode_tps:>10.1f} {r.pdserve_decode_tps / r.hf_decode_tps:>6.2f} "
                      f"{f'{lo:.2f}-{hi:.2f}':>12} {r.decode_step_ms:>8.2f} {r.gemm_step_ms:>8.2f} "
-                     f"{f'{r.gemm_fraction:.0%} ({flo:.0%}-{fhi:.0%})':>11}")
+                     f"{f'{r.gemm_fraction:.0%} ({flo:.0%}-{fhi:.0%})':>11} "
+                     f"{r.decode_cpu_ratio:>9.2f} {r.gemm_fraction_cpu:>14.0%}")
     return "\n".join(lines)
 
 
@@ -169,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights and KV dtype, both sides; several give one row set each")
     parser.add_argument("--repeats", type=int, default=1, help="best of N runs per side")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--packed-weights", choices=["on", "off"], default="on",
+                        help="pdserve's pre-packed CPU GEMM weights (models/packed.py)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -179,14 +201,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--prompt-len, --concurrency, --repeats must be >= 1, --new-tokens >= 2")
     hardware = cpu_features()
     results = [r for dtype in args.dtype
-               for r in bench(args.concurrency, args.prompt_len, new_tokens, args.repeats, dtype)]
+               for r in bench(args.concurrency, args.prompt_len, new_tokens, args.repeats, dtype,
+                              args.packed_weights == "on")]
     hardware["load_average_after"] = round(os.getloadavg()[0], 2)
     if args.json:
         for r in results:
             print(json.dumps(asdict(r) | {"hardware": hardware}))
     else:
         print(f"bench-50m, {torch.get_num_threads()} threads, prompt {args.prompt_len} tokens, "
-              f"{new_tokens} new tokens, best of {args.repeats}")
+              f"{new_tokens} new tokens, best of {args.repeats}, packed weights "
+              f"{args.packed_weights}, weights MB {({r.dtype: r.weight_mb for r in results})}")
         print("hardware: " + ", ".join(f"{k}={v}" for k, v in hardware.items()))
         print(format_table(results))
     return 0

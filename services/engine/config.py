@@ -67,6 +67,9 @@ class EngineServiceConfig(GrpcServiceConfig):
         "auto", choice_kind(*KV_CACHE_DTYPES),
         "KV cache dtype: auto = the model's; fp8 (e4m3) or int8 with per-token per-head scales "
         "(engines exchange blocks only with the same one)")
+    packed_weights: bool = setting(
+        True, BOOL, "pre-pack the CPU GEMM weights at load: faster decode, but in float32 the "
+        "packed copy sits beside the plain weight (several times its size); off = plain only")
     threads: int = setting(0, int_kind(0), "torch CPU threads; 0 = torch's default")
     redis_url: str = redis_url_setting()
     advertise: str = setting("", OPTIONAL_ADDRESS,
@@ -116,7 +119,7 @@ class EngineServiceConfig(GrpcServiceConfig):
                 attention_backend=self.attention_backend, dtype=self.dtype,
                 kv_cache_dtype=self.kv_cache_dtype,
                 device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
-                cuda_graphs=self.cuda_graphs)
+                cuda_graphs=self.cuda_graphs, packed_weights=self.packed_weights)
         except ValueError as exc:
             field, _, rest = str(exc).partition(" ")  # every message starts with its field
             raise ConfigError(f"--{field.replace('_', '-')} {rest}") from exc

@@ -26,12 +26,12 @@ def test_hardware_names_the_gemm_features() -> None:
 
 def test_the_table_shows_the_ceiling_fraction_and_ranges() -> None:
     row = Result(32, 1000.0, 500.0, 2000.0, 1000.0, "bfloat16", 32.0, 24.0, 0.75,
-                 (1.9, 2.1), (0.7, 0.8))
+                 (1.9, 2.1), (0.7, 0.8), decode_cpu_ratio=2.5, gemm_fraction_cpu=0.85)
     header, prefill, decode = format_table([row]).splitlines()
-    assert header.split()[-3:] == ["ms", "of", "ceiling"]
+    assert header.split()[-6:] == ["ceiling", "cpu", "ratio", "cpu", "of", "ceiling"]
     assert prefill.split() == ["bfloat16", "32", "prefill", "2000.0", "1000.0", "2.00"]
     assert decode.split() == ["bfloat16", "32", "decode", "1000.0", "500.0", "2.00",
-                              "1.90-2.10", "32.00", "24.00", "75%", "(70%-80%)"]
+                              "1.90-2.10", "32.00", "24.00", "75%", "(70%-80%)", "2.50", "85%"]
 
 
 def test_it_is_a_pdserve_bench_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -42,3 +42,6 @@ def test_it_is_a_pdserve_bench_command(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         main(["--dtype", "float16"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--packed-weights", "maybe"])
+    assert "--packed-weights: invalid choice: 'maybe'" in capsys.readouterr().err

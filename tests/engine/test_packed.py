@@ -6,9 +6,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.config import EngineArgs
+from pdserve.engine.engine import Engine
 from pdserve.models import load_model
+from pdserve.models.decoder import DecoderLM
 from pdserve.models.layers import Linear
-from pdserve.models.packed import pack, pack_kind
+from pdserve.models.loader import weight_bytes
+from pdserve.models.packed import PACK_BATCH_SIZE, pack, pack_kind
+from services.decode.config import DecodeConfig
+from tests.engine.helpers import random_prompts, run_all
+
+NEEDS_MKL = pytest.mark.skipif(pack_kind(torch.zeros(2, 2)) is None,
+                               reason="this torch build has no MKL packed sgemm")
+NEEDS_ONEDNN = pytest.mark.skipif(pack_kind(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
+                                  reason="this torch build has no oneDNN bfloat16 linear")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -39,5 +50,62 @@ def test_loaded_cpu_model_uses_packed_weights_and_plain_parameters() -> None:
     assert linears
     expect = pack_kind(linears[0].weight)
     assert all((m.packed is not None) == (expect is not None) for m in linears)
-    # The parameters stay the plain [out, in] weights (reload and checks read them).
-    assert all(m.weight.shape[0] == m.packed.weight.shape[0] for m in linears if m.packed)
+    # float32 (MKL) keeps the plain [out, in] weight: its op runs F.linear on it whenever a
+    # call's row count is not the packed one.
+    assert all(m.packed.weight is not None and m.packed.weight.data_ptr() == m.weight.data_ptr()
+               for m in linears if m.packed)
+
+
+@NEEDS_MKL
+def test_packed_weights_off_keeps_only_the_plain_weights() -> None:
+    on, off = (load_model("bench-50m", dtype="float32", packed_weights=p) for p in (True, False))
+    assert isinstance(off.model, DecoderLM) and off.model.lm_head_packed is None
+    assert all(m.packed is None for m in off.model.modules() if isinstance(m, Linear))
+    plain = sum(p.numel() * 4 for p in off.model.parameters())
+    assert weight_bytes(off.model) == plain
+    # MKL's packed copies sit beside the plain weights: more than twice the memory.
+    assert weight_bytes(on.model) > 2 * plain
+
+
+@NEEDS_ONEDNN
+def test_bfloat16_packing_frees_the_plain_weights() -> None:
+    lm = load_model("bench-50m", dtype="bfloat16")
+    assert isinstance(lm.model, DecoderLM) and lm.model.lm_head_packed is not None
+    linears = [m for m in lm.model.modules() if isinstance(m, Linear)]
+    assert all(m.packed is not None and m.weight.device.type == "meta" for m in linears)
+    assert lm.model.lm_head is not None and lm.model.lm_head.device.type == "meta"
+    plain = load_model("bench-50m", dtype="bfloat16", packed_weights=False)
+    # One copy of each weight either way (the packed one instead of the plain one).
+    assert weight_bytes(lm.model) <= 1.05 * weight_bytes(plain.model)
+
+
+@NEEDS_MKL
+def test_greedy_output_is_the_same_with_and_without_packing() -> None:
+    """float32, a decode batch of exactly the packed row count (the only one MKL packs)."""
+    prompts = random_prompts([5 + i % 7 for i in range(PACK_BATCH_SIZE)], seed=3)
+    outputs = []
+    for packed in (True, False):
+        engine = Engine(load_model("tiny", dtype="float32", packed_weights=packed),
+                        EngineArgs(max_num_seqs=PACK_BATCH_SIZE, packed_weights=packed))
+        outputs.append(run_all(engine, prompts, check_every_step=False)[0])
+    assert outputs[0] == outputs[1]
+
+
+def test_the_packed_weights_flag_and_its_env_twin_reach_the_engine() -> None:
+    cfg = DecodeConfig.from_argv(["--role", "colocated", "--packed-weights", "off"], environ={})
+    assert cfg.engine_args().packed_weights is False
+    cfg = DecodeConfig.from_argv(["--role", "colocated"],
+                                 environ={"PDSERVE_DECODE_PACKED_WEIGHTS": "off"})
+    assert cfg.engine_args().packed_weights is False
+    assert DecodeConfig(role="colocated").engine_args().packed_weights is True
+
+
+def test_a_bad_packed_weights_value_is_refused_naming_the_flag(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        DecodeConfig.from_argv(["--role", "colocated", "--packed-weights", "maybe"], environ={})
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("pdserve decode: error: --packed-weights: invalid value "
+                                       "'maybe' (accepted: true, false, 1, 0, yes, no, on, off)\n")
+    with pytest.raises(ValueError, match="packed_weights must be a bool, got 'off'"):
+        EngineArgs(packed_weights="off")  # type: ignore[arg-type]

@@ -37,6 +37,35 @@ def test_add_rms_norm_returns_the_norm_and_the_new_stream() -> None:
     torch.testing.assert_close(normed, TORCH_KERNELS.rms_norm(x + residual, weight, 1e-6))
 
 
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm, written out."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (32, 512), (7, 576), (300, 2816)])
+def test_rms_norm_is_bit_identical_to_hugging_faces(dtype: torch.dtype,
+                                                    shape: tuple[int, int]) -> None:
+    """float32 runs torch's fused ``F.rms_norm``; it must round exactly like the reference
+    (fp32 greedy parity with transformers depends on it), as the half-precision path does."""
+    g = torch.Generator().manual_seed(shape[0])
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    weight = (torch.rand(shape[1], generator=g) + 0.5).to(dtype)
+    assert torch.equal(TORCH_KERNELS.rms_norm(x, weight, 1e-5), _hf_rms_norm(x, weight, 1e-5))
+
+
+def test_rope_on_q_and_k_together_equals_rope_on_each() -> None:
+    g = torch.Generator().manual_seed(2)
+    qk = torch.randn(6, 8 + 2, 16, generator=g)
+    inputs = Rotary(RopeConfig(), 16)(torch.arange(6) * 5, torch.float32)
+    q, k = TORCH_KERNELS.rope_qk(qk, 8, inputs)
+    expect_q, expect_k = TORCH_KERNELS.rope(qk[:, :8], qk[:, 8:], inputs)
+    assert torch.equal(q, expect_q) and torch.equal(k, expect_k)
+    assert k.is_contiguous()  # backends scatter k into the cache
+
+
 def test_fused_kernels_only_on_cuda_in_half_precision() -> None:
     cpu = torch.device("cpu")
     assert flashinfer_kernels_reason(cpu, torch.bfloat16) == "device cpu is not CUDA"

@@ -12,7 +12,11 @@ each) and prefill (chunks), so a long chunk never pads every decode row to its l
     q index     [B, max_q]             -> the group's flat tokens, padded per sequence
 
 so every layer is one index_copy per K/V (store), then per group one index_select (gather) and
-one SDPA, with no Python loop over sequences or tokens.
+one SDPA, with no Python loop over sequences or tokens. In the decode group (one new token per
+sequence) the query heads sharing a KV head are passed as that head's queries,
+``[B, kv_heads, heads / kv_heads, D]``, so SDPA reads the gathered K/V once instead of a copy
+per query head (``enable_gqa``); docs/benchmarks.md has the numbers and the gather-free
+variants that measured slower.
 
 A quantized cache (fp8/int8, ``kv_quant.py``) has a second row array of scales
 ``[pages * 2 * page_size, kv_heads]``: the store quantizes each new token's heads and writes
@@ -80,6 +84,13 @@ class _GroupPlan:
                                     q.dtype)
         kv = kv.view(2, num_seqs, max_kv, num_kv_heads, head_dim).transpose(2, 3)
         qp = q if self.is_whole_step else q.index_select(0, self.q_index.flatten())
+        if max_q == 1:
+            # Decode: the query heads sharing a KV head are that head's queries, so SDPA
+            # reads K and V as stored, with no per-head copy (enable_gqa expands them).
+            qp = qp.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(qp, kv[0], kv[1], attn_mask=self.mask,
+                                                 scale=scale)
+            return out.reshape(num_seqs, num_heads, head_dim)
         qp = qp.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             qp, kv[0], kv[1], attn_mask=self.mask, is_causal=self.is_causal, scale=scale,

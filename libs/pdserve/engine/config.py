@@ -47,7 +47,9 @@ class EngineArgs:
     except float32 checkpoints run in bfloat16 on CUDA. cuda_graphs: capture the decode step
     for a ladder of batch sizes (CUDA with the FlashInfer backend only). kv_cache_dtype: "auto"
     (the model's dtype), "fp8" (e4m3) or "int8", quantized with per-token per-head scales
-    (attention/kv_quant.py)."""
+    (attention/kv_quant.py). packed_weights: pre-pack the CPU GEMM weights at load
+    (models/packed.py; faster decode, more weight memory in float32); False keeps only the
+    plain weights."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -62,6 +64,7 @@ class EngineArgs:
     device: str = "cpu"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    packed_weights: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -85,6 +88,8 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")
+        if not isinstance(self.packed_weights, bool):
+            raise ValueError(f"packed_weights must be a bool, got {self.packed_weights!r}")
         check_device(self.device)
 
     @property

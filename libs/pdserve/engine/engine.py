@@ -72,7 +72,8 @@ class Engine:
         from pdserve.models import load_model
 
         args = args or EngineArgs()
-        return cls(load_model(model, dtype=args.dtype, device=args.device), args)
+        return cls(load_model(model, dtype=args.dtype, device=args.device,
+                              packed_weights=args.packed_weights), args)
 
     # -- requests -------------------------------------------------------------------------
 

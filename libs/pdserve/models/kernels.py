@@ -3,7 +3,8 @@ on CUDA in half precision.
 
     norm      rms_norm(x)                      add_rms_norm(x, residual) -> (norm(x + r), x + r)
     mlp       silu_and_mul([gate | up])        -> silu(gate) * up
-    rope      rope_inputs(positions) once per forward, then rope(q, k, inputs) per layer
+    rope      rope_inputs(positions) once per forward, then rope(q, k, inputs) or
+              rope_qk([q | k], num_q_heads, inputs) per layer
 
 The torch versions round like Hugging Face's (normalise in float32, cast, then the weight);
 FlashInfer's fused add-RMSNorm and RoPE work in place and keep the sum in float32 until the
@@ -34,9 +35,12 @@ class Kernels:
     name = "torch"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf.to(x.dtype)
+        # Hugging Face's order: normalise in float32, cast, then the weight. torch's fused
+        # F.rms_norm gives the float32 part bit for bit (tests/models/test_kernels.py) in
+        # one op instead of five; in float32 it takes the weight too.
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +60,14 @@ class Kernels:
         """q [T, Hq, D], k [T, Hk, D] -> rotated (neox style)."""
         cos, sin = inputs
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def rope_qk(self, qk: torch.Tensor, num_q_heads: int, inputs: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """qk [T, Hq + Hk, D], q's heads then k's (the fused projection's output) -> rotated
+        (q, k): one pass over both, the same values as ``rope``. q comes back as a view."""
+        cos, sin = inputs
+        out = apply_rope(qk, cos, sin)
+        return out[:, :num_q_heads], out[:, num_q_heads:].contiguous()
 
 
 class FlashInferKernels(Kernels):
@@ -84,6 +96,10 @@ class FlashInferKernels(Kernels):
 
     def rope_inputs(self, rotary: Rotary, positions: torch.Tensor, dtype: torch.dtype) -> Any:
         return positions
+
+    def rope_qk(self, qk: torch.Tensor, num_q_heads: int, inputs: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope(qk[:, :num_q_heads], qk[:, num_q_heads:], inputs)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, inputs: Any
              ) -> tuple[torch.Tensor, torch.Tensor]:

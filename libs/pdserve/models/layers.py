@@ -75,9 +75,10 @@ class Attention(nn.Module, UsesKernels):
     def forward(self, x: torch.Tensor, rope: Any, attn: AttentionBackend) -> torch.Tensor:
         """``rope``: what ``kernels.rope_inputs`` made of this step's positions."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q, k = self.kernels.rope(q.view(num_tokens, self.num_heads, self.head_dim),
-                                 k.view(num_tokens, self.num_kv_heads, self.head_dim), rope)
+        qk, v = self.qkv_proj(x).split([self.sizes[0] + self.sizes[1], self.sizes[2]], dim=-1)
+        q, k = self.kernels.rope_qk(
+            qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim),
+            self.num_heads, rope)
         # Backends may scatter v into a cache or hand it to a kernel: give them dense memory.
         v = v.contiguous().view(num_tokens, self.num_kv_heads, self.head_dim)
         out = attn.forward(self.layer_id, q, k, v)

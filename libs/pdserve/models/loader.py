@@ -32,16 +32,20 @@ class LoadedModel:
 
 
 def load_model(
-    source: str, dtype: str = "auto", device: str | torch.device = "cpu"
+    source: str, dtype: str = "auto", device: str | torch.device = "cpu",
+    packed_weights: bool = True,
 ) -> LoadedModel:
     """``source``: a built-in (``tiny``, ``tiny-moe``, ``bench-50m``, optionally ``@<seed>``)
-    or a local Hugging Face directory. ``dtype``: auto | float32 | bfloat16 | float16."""
+    or a local Hugging Face directory. ``dtype``: auto | float32 | bfloat16 | float16.
+    ``packed_weights``: on CPU, pre-pack the GEMM weights (``packed.py``: faster decode, more
+    weight memory); False keeps only the plain weights."""
     parsed = builtin.parse_builtin(source)
     if parsed is not None:
-        return _load_builtin(*parsed, dtype=dtype, device=torch.device(device))
+        return _load_builtin(*parsed, dtype=dtype, device=torch.device(device),
+                             packed=packed_weights)
     path = Path(source)
     if path.is_dir():
-        return _load_dir(path, dtype=dtype, device=torch.device(device))
+        return _load_dir(path, dtype=dtype, device=torch.device(device), packed=packed_weights)
     if path.exists():
         raise ValueError(f"model source {source!r} is a file; give a model directory")
     if "/" in source or source.startswith("."):
@@ -53,7 +57,7 @@ def load_model(
 
 
 def _build(config: ModelConfig, device: torch.device,
-           weights: Iterable[tuple[str, torch.Tensor]]) -> CausalLM:
+           weights: Iterable[tuple[str, torch.Tensor]], packed: bool = True) -> CausalLM:
     # Meta first, so no memory is touched until the real weights arrive.
     with torch.device("meta"):
         model = DecoderLM(config)
@@ -61,37 +65,63 @@ def _build(config: ModelConfig, device: torch.device,
     with torch.no_grad():
         model.load_weights(weights)
         if device.type == "cpu":
-            _pack_linears(model)
+            _pack_linears(model, packed)
     return model.eval()
 
 
-def _pack_linears(model: torch.nn.Module) -> None:
-    """Pre-pack every ``Linear`` weight (and the LM head) for the CPU GEMM (``packed.py``).
+def _pack_linears(model: torch.nn.Module, packed: bool) -> None:
+    """Pre-pack every ``Linear`` weight (and the LM head) for the CPU GEMM (``packed.py``),
+    freeing the plain weight where the packed GEMM never reads it (bfloat16): the parameter
+    becomes a meta tensor of the same shape, so reading its values fails loudly.
 
-    Where no packed GEMM applies, store the weight ``[out, in]`` column-major instead (same
-    values, same shape): ``x @ W^T`` with ``W^T`` contiguous ran 1.3-1.9x faster for the
-    8-64-row batches of continuous decoding with torch's plain oneDNN/MKL GEMMs on AVX-512.
+    Where nothing is packed (``packed`` False, or no packed GEMM applies), store the weight
+    ``[out, in]`` column-major instead (same values, same shape, same memory): ``x @ W^T``
+    with ``W^T`` contiguous ran 1.3-1.9x faster for the 8-64-row batches of continuous
+    decoding with torch's plain oneDNN/MKL GEMMs on AVX-512.
     """
     from pdserve.models.layers import Linear
 
     for module in model.modules():
         if isinstance(module, Linear):
-            module.packed = pack(module.weight.data)
+            module.packed = pack(module.weight.data) if packed else None
             if module.packed is None:
                 module.weight.data = module.weight.data.t().contiguous().t()
-    if isinstance(model, DecoderLM):
+            elif module.packed.release_plain:
+                module.weight = _meta_like(module.weight)
+    if isinstance(model, DecoderLM) and packed:
         model.lm_head_packed = pack(
             model.embed_tokens.data if model.lm_head is None else model.lm_head.data)
+        head = model.lm_head_packed
+        if model.lm_head is not None and head is not None and head.release_plain:
+            model.lm_head = _meta_like(model.lm_head)
 
 
-def _load_builtin(name: str, seed: int, dtype: str, device: torch.device) -> LoadedModel:
+def _meta_like(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                              requires_grad=False)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights in memory: the parameters that hold data plus every
+    packed copy (``packed.py``)."""
+    from pdserve.models.layers import Linear
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters()
+                if p.device.type != "meta")
+    packs = [m.packed for m in model.modules() if isinstance(m, Linear)]
+    packs.append(getattr(model, "lm_head_packed", None))
+    return total + sum(p.nbytes for p in packs if p is not None)
+
+
+def _load_builtin(name: str, seed: int, dtype: str, device: torch.device,
+                  packed: bool) -> LoadedModel:
     cfg = builtin.hf_config(name)
     tokenizer = builtin_tokenizer()
     config = parse_hf_config(
         cfg, dtype=resolve_dtype(dtype, cfg, device), eos_token_ids=tokenizer.eos_token_ids,
         fingerprint=builtin.fingerprint(name, seed),
     )
-    model = _build(config, device, builtin.iter_weights(name, seed))
+    model = _build(config, device, builtin.iter_weights(name, seed), packed)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer,
                        version=config.fingerprint)
 
@@ -109,7 +139,7 @@ def _iter_files(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                     bar.update(tensor.numel() * tensor.element_size())
 
 
-def _load_dir(path: Path, dtype: str, device: torch.device) -> LoadedModel:
+def _load_dir(path: Path, dtype: str, device: torch.device, packed: bool) -> LoadedModel:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"config.json not found in {path}")
@@ -126,5 +156,5 @@ def _load_dir(path: Path, dtype: str, device: torch.device) -> LoadedModel:
         cfg, dtype=resolve_dtype(dtype, cfg, device), eos_token_ids=tuple(eos),
         fingerprint=fingerprint(config_text, files, version),
     )
-    model = _build(config, device, _iter_files(files))
+    model = _build(config, device, _iter_files(files), packed)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, version=version)

@@ -2,20 +2,26 @@
 blocked layout the CPU GEMM library wants, so no step pays the reorder.
 
     float32    MKL's packed sgemm (``torch.ops.mkl._mkl_linear``): bit-identical to
-               ``F.linear`` on the plain weight, 15-25% faster at 32 rows on AVX-512
+               ``F.linear`` on the plain weight; the packed path runs only when a call has
+               exactly ``PACK_BATCH_SIZE`` rows, any other count runs ``F.linear`` on the
+               plain weight, so that weight stays
     bfloat16   oneDNN's prepacked linear (``torch.ops.mkldnn._linear_pointwise``): AMX tiles
-               or AVX-512-BF16 where the CPU has them, bit-identical to ``F.linear``,
-               ~25% faster at 32 rows
+               or AVX-512-BF16 where the CPU has them, bit-identical to ``F.linear``, any
+               rows; it never reads the plain weight, so ``release_plain`` lets the loader
+               free it
 
 (measured with torch 2.13 on a 2-core AVX-512/AMX machine; ``pdserve bench engine`` reports
-the GEMM ceiling with these weights.) Both accept any number of rows; ``batch_size`` is only
-the hint the packing is tuned for. Where neither op exists (no MKL / oneDNN build, other
-dtypes, other devices) ``pack`` returns None and the layer keeps ``F.linear``. The plain
-weight stays: the MKL op reads it for shapes it does not pack, and reload, tied embeddings
-and prompt logprobs read the parameter.
+the GEMM ceiling with these weights.) Where neither op exists (no MKL / oneDNN build, other
+dtypes, other devices) ``pack`` returns None and the layer keeps ``F.linear``.
+
+Memory: torch sizes MKL's packed buffer in float32 elements from a byte count, so the packed
+copy of a float32 weight takes 1.6-4.5x the weight's own bytes (``nbytes``); engines short of
+memory load with ``packed_weights=False`` (``--packed-weights off``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -27,11 +33,24 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor, kind: str) -> None:
         self.kind = kind
-        self.weight = weight
+        self.shape = tuple(weight.shape)
+        # MKL falls back to F.linear on the plain weight for other row counts; oneDNN never
+        # reads it, so it is not kept here.
+        self.weight: torch.Tensor | None = weight if kind == "mkl" else None
         if kind == "mkl":
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_BATCH_SIZE)
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_SIZE)
+
+    @property
+    def release_plain(self) -> bool:
+        """Whether the layer's plain weight may be dropped (nothing here reads it)."""
+        return self.weight is None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes torch allocated for the packed copy (the plain weight not counted)."""
+        return math.prod(self.packed.shape) * self.packed.element_size()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kind == "mkl":
@@ -57,9 +76,10 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     kind = pack_kind(weight)
     if kind is None:
         return None
-    packed = PackedWeight(weight.detach().contiguous(), kind)
+    weight = weight.detach().contiguous()
+    packed = PackedWeight(weight, kind)
     probe = torch.ones(2, weight.shape[1], dtype=weight.dtype)
-    expect = torch.nn.functional.linear(probe, packed.weight)
+    expect = torch.nn.functional.linear(probe, weight)
     if not torch.allclose(packed.linear(probe, None).float(), expect.float(),
                           rtol=1e-2, atol=1e-3):
         return None  # a build whose packed op disagrees: keep the plain GEMM

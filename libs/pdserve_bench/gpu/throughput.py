@@ -66,7 +66,7 @@ def check(name: str, device: torch.device, concurrencies: tuple[int, ...] = (1, 
         plist = shapes.prompts(n, prompt_len, vocab, seed=n)
         decoded = n * (new_tokens - 1)
         hf_pre, hf_dec = run_hf(hf, plist, new_tokens)
-        pd_pre, pd_dec = run_pdserve(eng, plist, new_tokens)
+        pd_pre, pd_dec, _ = run_pdserve(eng, plist, new_tokens)
         rows.append({"num_seqs": n, "pdserve_decode_tps": decoded / pd_dec,
                      "hf_decode_tps": decoded / hf_dec, "ratio": hf_dec / pd_dec,
                      "pdserve_prefill_s": pd_pre, "hf_prefill_s": hf_pre})
