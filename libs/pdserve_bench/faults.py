@@ -3,7 +3,12 @@ what the clients saw: seconds from the kill to the first successful request sent
 requests lost (failed) per fault, when the supervisor had it running again, and whether every
 kvd and engine was back to nothing pinned and nothing in use.
 
-    pdserve bench faults [--decode 2] [--clients 2] [--faults decode-1,kvd-d0,...] [--json]
+    pdserve bench faults [--decode 2] [--clients 2] [--faults decode-1,kvd-d0,...]
+                         [--warm-up S] [--json]
+
+``--warm-up`` runs the load that long before the first kill: a stack in steady state (each
+engine with its warm spare, which ``pdserve up`` starts 10 s apart once the stack is up) rather
+than one killed in its first seconds.
 """
 
 from __future__ import annotations
@@ -99,6 +104,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated child names to kill -9, in order")
     p.add_argument("--settle", type=float, default=3.0,
                    help="seconds of load after the first success before the next fault")
+    p.add_argument("--warm-up", type=float, default=0.0,
+                   help="seconds of load before the first fault (0: kill at once)")
     p.add_argument("--json", action="store_true", help="also print one JSON line per fault")
     return p.parse_args(argv)
 
@@ -124,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             "--kvd-capacity-mib", "16"]
     with ChaosStack(args) as stack:
         with Load(stack, ns.clients, ns.max_tokens) as load:
+            time.sleep(ns.warm_up)
             for name in ns.faults.split(","):
                 rows.append(run_fault(stack, name, load, ns.settle))
         idle = stack.wait_idle()  # the load has stopped: everything released?
@@ -136,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print(rows: list[FaultRow], ns: argparse.Namespace) -> None:
     print(f"kill -9 under load: {ns.clients} clients, {ns.max_tokens}-token completions, "
-          f"tiny model, {ns.prefill} prefill + {ns.decode} decode nodes")
+          f"tiny model, {ns.prefill} prefill + {ns.decode} decode nodes, "
+          f"first kill after {ns.warm_up:g} s of load")
     print(f"{'fault':<11}{'recovery s':>11}{'lost':>6}{'sent':>6}{'restart s':>11}  first error")
     for r in rows:
         print(f"{r.fault:<11}{r.recovery_s:>11.2f}{r.num_lost:>6}{r.num_sent:>6}"
