@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with its own admission queue and quotas")
     p.add_argument("--no-restart", action="store_true", help="report dead services, do not restart")
     p.add_argument("--no-warm-spares", dest="warm_spares", action="store_false",
-                   help="restart a dead engine from a fresh process (default: each engine has a "
-                        "spare process with its imports done, which a restart takes over)")
+                   help="restart a dead engine from a fresh process (default, unless --no-restart: "
+                        "each engine has a spare process with its imports done, which a "
+                        "restart takes over)")
     return p
 
 
@@ -204,7 +205,8 @@ class Stack:
         args = [*_module(module), "--host", self.ns.host, "--port", str(port), *flags]
         if module != "gateway":  # its /metrics is on its HTTP port; the others: a free one
             args += ["--metrics-port", "0"]
-        kind = WarmProc if self.ns.warm_spares and args[2] in ENGINE_MODULES else Proc
+        spares = self.ns.warm_spares and not self.ns.no_restart  # a spare serves only a restart
+        kind = WarmProc if spares and args[2] in ENGINE_MODULES else Proc
         proc = kind(name, args, port, cpus, self.secrets.env_for(module, self.env),
                     log=self.log_dir / f"{name}.log",
                     verbose=self.ns.verbose or env.up_verbose(), cwd=ROOT)
