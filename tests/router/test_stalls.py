@@ -149,7 +149,8 @@ async def test_a_restarted_prefill_serves_its_waiting_request_without_a_poll(
     router, client = await cluster.router([p], [d], recheck_interval=0.05, max_wait=20)
     port = p.port
     await p.stop()
-    await router.poll()
+    router.pool.check_timeout = 1.0  # (it follows the 30 s poll interval: a poll of a
+    await router.poll()              # stopped engine waits out its reconnect that long)
     assert not router.pool.instances[p.address].is_healthy
     call = asyncio.create_task(client.generate(ids=PROMPT, timeout=15))
     await asyncio.sleep(1.0)  # waiting for P
