@@ -31,6 +31,7 @@ from pdserve.proto.v1 import common_pb2, kvd_pb2
 from services.kvd import awaiting, peering, samehost, segments, wirecodec
 from services.kvd.config import KvdConfig
 from services.kvd.index_sync import IndexSync
+from services.kvd.link import Link
 from services.kvd.peers import Peers
 from services.kvd.pool import PinRecord, Pool, SlotState
 from services.kvd.shipping import Shipper
@@ -154,11 +155,11 @@ class Kvd:
         arr[L.HEADER_BYTES::mmap.PAGESIZE] = 0  # (past the header, written above)
         self.transport.attach(arr, L.HEADER_BYTES, slot_bytes)
         self.layout = layout
-        self.shipper = Shipper(Pool(num_slots, self.epoch), arr, L.HEADER_BYTES, slot_bytes,
-                               self.transport, self.peers, self.sync, self.me,
-                               self.config.transfer_timeout, layout.dtype, self.codec,
-                               *samehost.make(self.config, arr, slot_bytes, self._shm.name,
-                                              token))
+        self.shipper = Shipper(Link(Pool(num_slots, self.epoch), arr, L.HEADER_BYTES,
+                                    slot_bytes, self.transport, self.peers, self.sync, self.me,
+                                    self.config.transfer_timeout, layout.dtype, self.codec,
+                                    *samehost.make(self.config, arr, slot_bytes,
+                                                   self._shm.name, token)))
         log.info("pool created", extra={"fields": {"shm": self._shm.name, "slots": num_slots,
                                                     "slot_bytes": slot_bytes}})
 

@@ -35,37 +35,23 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-import numpy as np
-
 from pdserve.proto.v1 import common_pb2, kvd_pb2
-from services.kvd.index_sync import IndexSync
 from services.kvd.link import Link
-from services.kvd.peers import Peers
-from services.kvd.pool import Pool
 from services.kvd.receiving import Receiver
-from services.kvd.samehost import SameHost
 from services.kvd.sending import Sender
-from services.kvd.transfer import UcxTransport
-from services.kvd.wirecodec import WireCodec
 
 
 class Shipper:
     """Push, pull and receive of blocks for one kvd (see the module docstring)."""
 
-    def __init__(self, pool: Pool, arr: np.ndarray, data_offset: int, slot_bytes: int,
-                 transport: UcxTransport, peers: Peers, sync: IndexSync,
-                 me: common_pb2.KvdEndpoint, transfer_timeout: float,
-                 kv_dtype: str = "", codec: WireCodec | None = None,
-                 same_host: SameHost | None = None, segment: tuple[str, bytes] = ("", b"")
-                 ) -> None:
-        self._link = Link(pool, arr, data_offset, slot_bytes, transport, peers, sync, me,
-                          transfer_timeout, kv_dtype, codec, same_host, segment)
+    def __init__(self, link: Link) -> None:
+        self._link = link
         self._sender = Sender(self._link)
         self._receiver = Receiver(self._link)
-        self.pool = pool
-        self.slot_bytes = slot_bytes
-        self.kv_dtype = kv_dtype
-        self.codec = codec
+        self.pool = link.pool
+        self.slot_bytes = link.slot_bytes
+        self.kv_dtype = link.kv_dtype
+        self.codec = link.codec
         self.counters = self._link.counters
         self.inbound: dict[bytes, asyncio.Future[None]] = self._receiver.inbound
 
