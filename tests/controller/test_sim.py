@@ -64,6 +64,14 @@ def test_decode_batches_and_caps_at_max_batch() -> None:
     assert done[-1].t_admit == pytest.approx(0.095, abs=1e-5)
 
 
+def test_a_prompt_goes_to_the_idle_prefill_not_the_busy_one() -> None:
+    # the first prompt's batch holds instance 0 for 0.505 s; with nothing queued on either,
+    # the second must still go to instance 1 (the router counts in-flight prefills)
+    sim = Sim(MODEL, CFG, ["prefill", "prefill", "decode"])
+    done = sim.run([SimRequest(0, 0.0, 500, 2), SimRequest(1, 0.1, 500, 2)], until=100)
+    assert sorted(r.t_first for r in done) == pytest.approx([0.505, 0.605])
+
+
 def test_colocated_prompt_rides_in_a_step() -> None:
     sim = Sim(MODEL, CFG, ["colocated"])
     [req] = sim.run([SimRequest(0, 0.0, 100, 3)], until=100)

@@ -20,17 +20,34 @@ MODEL = CapacityModel(0.005, 1000.0, 0.010, 0.001, max_batch=4)
 CFG = SimConfig(chunk_tokens=256, block_size=16, block_bytes=1000.0, link_bytes_per_s=1e6)
 
 
-@pytest.mark.parametrize(("args", "plan", "controller"), [
-    (["--model", "m", "--colocated", "--decode", "3"], Plan(0, 0, 3), None),
-    (["--prefill", "2", "--decode", "1"], Plan(2, 1), None),
-    ([], Plan(1, 1), None),
-    (["--prefill", "2", "--decode", "1", "--controller", "in-place",
-      "--router-arg=--controller-interval=1", "--router-arg=--controller-dwell=4"], Plan(2, 1),
-     {"interval": 1.0, "window": 30.0, "dwell": 4.0, "margin": 0.1}),
+@pytest.mark.parametrize(("args", "plan", "controller", "cores"), [
+    (["--model", "m", "--colocated", "--decode", "3"], Plan(0, 0, 3), None, None),
+    (["--colocated", "--decode", "3", "--decode-cpus", "0;1"], Plan(0, 0, 3), None,
+     ["0", "1", "0"]),
+    (["--prefill", "2", "--decode", "1"], Plan(2, 1), None, None),
+    (["--prefill", "2", "--decode", "1", "--prefill-cpus", "0"], Plan(2, 1), None, None),
+    ([], Plan(1, 1), None, None),
+    (["--prefill", "2", "--decode", "1", "--prefill-cpus", "0;1", "--decode-cpus", "0",
+      "--controller", "in-place", "--router-arg=--controller-interval=1",
+      "--router-arg=--controller-dwell=4"], Plan(2, 1),
+     {"interval": 1.0, "window": 30.0, "dwell": 4.0, "margin": 0.1}, ["0", "1", "0"]),
 ])
 def test_the_arrangement_is_what_the_up_arguments_start(args: list[str], plan: Plan,
-                                                        controller: dict | None) -> None:
-    assert arrangement(args) == Arrangement(plan, controller)
+                                                        controller: dict | None,
+                                                        cores: list[str] | None) -> None:
+    # CPU sets only when every engine is pinned (cycled as `pdserve up` cycles them)
+    assert arrangement(args) == Arrangement(plan, controller, cores)
+
+
+def test_engines_pinned_to_one_core_share_it() -> None:
+    two = [SimRequest(0, 0.0, 100, 1), SimRequest(1, 0.0, 100, 1)]
+    alone = Sim(MODEL, CFG, ["colocated", "colocated"], cores=["0", "1"]).run(two, 10.0)
+    assert [r.t_first for r in alone] == pytest.approx([0.110, 0.110])  # 10 ms + 100 tokens
+    shared = Sim(MODEL, CFG, ["colocated", "colocated"], cores=["0", "0"]).run(two, 10.0)
+    # the first to start runs alone; the second starts while it is busy: twice as long
+    assert sorted(r.t_first for r in shared) == pytest.approx([0.110, 0.220])
+    with pytest.raises(ValueError, match="cores: 1 given for 2 instances"):
+        Sim(MODEL, CFG, ["colocated", "colocated"], cores=["0"])
 
 
 def test_inter_token_gaps_include_the_first_decode_stall() -> None:

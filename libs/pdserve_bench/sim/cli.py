@@ -4,6 +4,8 @@ The per-instance costs come from a ``pdserve bench engine --json`` run (``--cali
 default the 2-core measurement docs/benchmarks.md reports, shipped beside this module), fitted
 by least squares into the controller's own capacity model. Prints a table, or JSON with
 ``--json``; ``--plot trace.png`` draws the controller's decision trace (ratio vs load).
+``--goodput`` searches, per arrangement, the highest rate it serves at an SLO attainment goal
+(DistServe's goodput; ``goodput.py``) instead of counting requests within the SLOs at --load.
 ``--validate RUN.json ...`` replays measured ``pdserve bench compare`` runs instead and prints
 the simulated TTFT/ITL percentiles beside the measured ones (``validate.py``).
 """
@@ -15,6 +17,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from pdserve.controller.capacity import (
     CALIBRATION_FILE,
@@ -25,7 +28,9 @@ from pdserve.controller.capacity import (
 from pdserve.controller.optimizer import Slo
 from pdserve_bench.sim import workload
 from pdserve_bench.sim.cluster import SimConfig
+from pdserve_bench.sim.control import TracePoint
 from pdserve_bench.sim.evaluate import Evaluation, evaluate, shifting
+from pdserve_bench.sim.goodput import Search, evaluate_goodput, format_goodput, scaled
 from pdserve_bench.sim.validate import ValidationError, format_rows, validate
 
 DEFAULT_CALIBRATION = Path(CALIBRATION_FILE)
@@ -69,6 +74,16 @@ def _parser() -> argparse.ArgumentParser:
              "512, the engines' --max-num-batched-tokens default)")
     add("--time-scale", type=float, default=1.0,
         help="multiply every calibrated cost (engines sharing cores run slower than the bench)")
+    add("--no-shared-cores", dest="shared_cores", action="store_false",
+        help="--validate: ignore the stack's CPU pinning (engines never share a core)")
+    add("--goodput", action="store_true",
+        help="search each arrangement's goodput as DistServe defines it: the highest rate "
+             "(a scale of every phase's --load 1 rate) with SLO attainment >= --goal")
+    add("--goal", type=float, default=0.9, help="--goodput: the SLO attainment goal")
+    add("--goal-over", choices=("phase", "run"), default="phase",
+        help="--goodput: the goal holds in every phase, or over the whole run")
+    add("--hindsight", action="store_true",
+        help="--goodput: also search every fixed split on the whole workload")
     return p
 
 
@@ -86,6 +101,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--urgent-dwell-s must be >= 0")
     if a.chunk_tokens is not None and a.chunk_tokens < 1:
         p.error("--chunk-tokens must be >= 1")
+    if not 0 < a.goal <= 1:
+        p.error(f"--goal must be in (0, 1], got {a.goal}")
 
 
 def format_table(e: Evaluation, phases: list[str]) -> str:
@@ -124,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         return _validate(a, model, cfg, slo)
     ctl = {"window_s": a.window_s, "horizon_s": a.horizon_s, "margin": a.margin,
            "min_dwell_s": a.min_dwell_s, "urgent_dwell_s": a.urgent_dwell_s}
+    if a.goodput:
+        return _goodput(a, model, cfg, slo, ctl)
     for n in a.instances:
         phases = shifting(model, slo, n, cfg, a.phase_s, a.load)
         requests = workload.generate(phases, a.seed, a.burst_cv)
@@ -135,12 +154,41 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(f"{p.name} {p.rate:.1f}/s" for p in phases)
                   + f"; SLO TTFT {a.ttft_slo}s TPOT {a.tpot_slo}s; goodput req/s")
             print(format_table(e, [p.name for p in phases]))
-        if a.plot is not None:
-            from pdserve_bench.sim.plot import trace_plot
+        _plot(a, n, e.by_name("controller").trace, e.phases,
+              f"P:D controller, {n} instances (simulated)")
+    return 0
 
-            path = a.plot if len(a.instances) == 1 else a.plot.with_stem(f"{a.plot.stem}-{n}")
-            trace_plot(path, e)
-            print(f"decision trace: {path}", file=sys.stderr)
+
+def _plot(a: argparse.Namespace, n: int, trace: list[TracePoint], phases: list[workload.Phase],
+          title: str) -> None:
+    """``--plot``: the decision trace (one file per cluster size)."""
+    if a.plot is None:
+        return
+    from pdserve_bench.sim.plot import trace_plot
+
+    path = a.plot if len(a.instances) == 1 else a.plot.with_stem(f"{a.plot.stem}-{n}")
+    trace_plot(path, trace, phases, title)
+    print(f"decision trace: {path}", file=sys.stderr)
+
+
+def _goodput(a: argparse.Namespace, model: CapacityModel, cfg: SimConfig, slo: Slo,
+             ctl: dict[str, Any]) -> int:
+    search = Search(a.goal, a.goal_over == "phase")
+    for n in a.instances:
+        phases = shifting(model, slo, n, cfg, a.phase_s, 1.0)
+        e = evaluate_goodput(n, phases, model, cfg, slo, ctl, search, a.seed, a.burst_cv,
+                             a.grid_steps, a.interval_s, a.hindsight)
+        if a.json:
+            print(json.dumps(e.to_json()))
+        else:
+            print(f"{n} instances; phases at scale 1 "
+                  + ", ".join(f"{p.name} {p.rate:.1f}/s" for p in phases)
+                  + f"; SLO TTFT {a.ttft_slo}s TPOT {a.tpot_slo}s")
+            print(format_goodput(e))
+        top = e.by_name("controller")
+        if top.result is not None:
+            _plot(a, n, top.result.trace, scaled(phases, top.scale),
+                  f"P:D controller, {n} instances, at its goodput (s = {top.scale:.2f})")
     return 0
 
 
@@ -157,7 +205,7 @@ def _validate(a: argparse.Namespace, model: CapacityModel, cfg: SimConfig, slo: 
           f"(time scale {a.time_scale:g}); chunk {cfg.chunk_tokens} tokens")
     for path in a.validate:
         try:
-            rows = validate(path, model, cfg, slo)
+            rows = validate(path, model, cfg, slo, a.shared_cores)
         except ValidationError as exc:
             sys.stderr.write(f"pdserve sim: error: --validate {exc}\n")
             return 2

@@ -9,8 +9,9 @@ decode steps, role switches and controller ticks.
         chunk / prefill rate): prompts stall decodes, as chunked prefill does
     flex instance switching role: no new work, finishes what it has, then ``switch_s``
 
-The router sends a prompt to the prefill (or colocated) instance with the fewest queued
-tokens and a prefilled request to the decode instance with the smallest batch.
+The router sends a prompt to the prefill (or colocated) instance with the fewest prompt
+tokens queued or in its running batch (the real router counts in-flight prefills) and a
+prefilled request to the decode instance with the smallest batch.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Inst:
     target: str = ""  # the role it is draining towards ("" = none)
     queue: deque[Req] = field(default_factory=deque)
     queued_tokens: int = 0
+    batch_tokens: int = 0  # the prompt tokens of the batch (or colocated step) it computes
     busy: bool = False
     running: list[tuple[int, int, Req]] = field(default_factory=list)  # (finish step, rid, req)
     waiting: deque[Req] = field(default_factory=deque)
@@ -78,9 +80,13 @@ class Inst:
 class Sim:
     def __init__(self, model: CapacityModel, config: SimConfig, roles: list[str],
                  on_tick: Callable[[Sim, float], None] | None = None,
-                 tick_s: float = 10.0) -> None:
+                 tick_s: float = 10.0, cores: list[str] | None = None) -> None:
         self.m, self.c = model, config
         self.insts = [Inst(i, r) for i, r in enumerate(roles)]
+        if cores is not None and len(cores) != len(roles):
+            raise ValueError(f"cores: {len(cores)} given for {len(roles)} instances")
+        # Per instance, the CPU set it is pinned to; those on one set share it (``_shared``).
+        self.cores = cores
         self.on_tick, self.tick_s = on_tick, tick_s
         self.on_arrival: Callable[[SimRequest], None] | None = None
         # When a list: (inter-token gap, sequences that saw it), for ``--validate``'s ITL.
@@ -124,10 +130,10 @@ class Sim:
     @staticmethod
     def _load(inst: Inst) -> int:
         if inst.role == "prefill":
-            return inst.queued_tokens
+            return inst.queued_tokens + inst.batch_tokens
         if inst.role == "decode":
             return len(inst.running) + len(inst.waiting)
-        return inst.queued_tokens + 64 * len(inst.running)
+        return inst.queued_tokens + inst.batch_tokens + 64 * len(inst.running)
 
     def _touch(self, inst: Inst, force: bool = False) -> None:
         """Note ``inst``'s load (call after anything that changes it, before the next pick;
@@ -198,13 +204,15 @@ class Sim:
             batch.append(req)
             tokens += req.r.input_len
         inst.queued_tokens -= tokens
+        inst.batch_tokens = tokens
         self._touch(inst)
         if not batch:
             inst.busy = False
             self._maybe_switch(inst)
             return
         inst.busy = True
-        self.push(self.now + self.m.prefill_time(tokens), PREFILL_DONE, (inst, batch))
+        self.push(self.now + self.m.prefill_time(tokens) * self._shared(inst), PREFILL_DONE,
+                  (inst, batch))
 
     def _prefill_done(self, obj: object) -> None:
         inst: Inst
@@ -229,6 +237,7 @@ class Sim:
         chunk = 0
         if inst.role == "colocated":
             chunk = self._take_chunk(inst)
+        inst.batch_tokens = chunk
         self._touch(inst)
         if not inst.running and chunk == 0:
             inst.busy = False
@@ -236,7 +245,16 @@ class Sim:
             return
         inst.busy, inst.step_t0 = True, self.now
         dur = self.m.step_time(len(inst.running)) + chunk / self.m.prefill_tokens_per_s
-        self.push(self.now + dur, STEP_DONE, inst)
+        self.push(self.now + dur * self._shared(inst), STEP_DONE, inst)
+
+    def _shared(self, inst: Inst) -> int:
+        """How many busy instances (``inst`` included) share ``inst``'s core: an operation
+        starting now runs that many times slower. An approximation of the OS's time sharing:
+        an operation already running keeps the duration it started with."""
+        if self.cores is None:
+            return 1
+        core = self.cores[inst.idx]
+        return sum(1 for o in self.insts if o.busy and self.cores[o.idx] == core) or 1
 
     def _take_chunk(self, inst: Inst) -> int:
         """Colocated: the prompt tokens this step computes (while the batch has room)."""

@@ -42,6 +42,7 @@ class Result:
     tpot_p99_s: float | None
     wall_s: float  # simulation time on this machine
     phase_goodput: list[float] = field(default_factory=list)  # by the phase requests arrived in
+    phase_attainment: list[float] = field(default_factory=list)  # within SLO / arrived, by phase
     trace: list[TracePoint] = field(default_factory=list)
 
 
@@ -67,21 +68,29 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def summarize(name: str, plan: Plan, done: list[Req], num_arrivals: int, phases: list[Phase],
-              slo: Slo, wall_s: float) -> Result:
+def summarize(name: str, plan: Plan, done: list[Req], requests: list[SimRequest],
+              phases: list[Phase], slo: Slo, wall_s: float) -> Result:
+    ends = np.cumsum([p.duration_s for p in phases])
+
+    def phase_of(t: float) -> int:
+        return min(len(phases) - 1, int(np.searchsorted(ends, t, side="right")))
+
+    arrived = [0] * len(phases)
+    for q in requests:
+        arrived[phase_of(q.t)] += 1
     ttft = [r.t_first - r.r.t for r in done]
     tpot = [(r.t_done - r.t_first) / (r.r.output_len - 1) if r.r.output_len > 1 else 0.0
             for r in done]
-    ends = np.cumsum([p.duration_s for p in phases])
     per_phase = [0] * len(phases)
     for r, a, b in zip(done, ttft, tpot, strict=True):
         if a <= slo.ttft_s and b <= slo.tpot_s and r.t_admit - r.t_first <= slo.ttft_s:
-            per_phase[min(len(phases) - 1, int(np.searchsorted(ends, r.r.t, side="right")))] += 1
+            per_phase[phase_of(r.r.t)] += 1
     good = sum(per_phase)
     return Result(name, plan.num_prefill, plan.num_decode, plan.num_colocated,
-                  good / float(ends[-1]), good / max(1, num_arrivals), len(done), _pct(ttft, 50),
-                  _pct(ttft, 99), _pct(tpot, 50), _pct(tpot, 99), wall_s,
-                  [g / p.duration_s for g, p in zip(per_phase, phases, strict=True)])
+                  good / float(ends[-1]), good / max(1, len(requests)), len(done),
+                  _pct(ttft, 50), _pct(ttft, 99), _pct(tpot, 50), _pct(tpot, 99), wall_s,
+                  [g / p.duration_s for g, p in zip(per_phase, phases, strict=True)],
+                  [g / n if n else 1.0 for g, n in zip(per_phase, arrived, strict=True)])
 
 
 def run(name: str, plan: Plan, requests: list[SimRequest], phases: list[Phase],
@@ -95,7 +104,7 @@ def run(name: str, plan: Plan, requests: list[SimRequest], phases: list[Phase],
         sim.on_arrival = controller.observe
     end = sum(p.duration_s for p in phases)
     done = sim.run(requests, until=end + 120.0)  # two minutes to drain the queues
-    result = summarize(name, plan, done, len(requests), phases, slo, time.perf_counter() - t0)
+    result = summarize(name, plan, done, requests, phases, slo, time.perf_counter() - t0)
     if controller is not None:
         result.trace.extend(controller.trace)
     return result

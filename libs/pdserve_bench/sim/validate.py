@@ -10,8 +10,10 @@ latency percentiles are printed beside the measured ones, with the relative erro
 
 Simulated ITL: each decode step's duration, once per sequence in the step; a request's first
 gap after its first token is the stall until its first decode step ends (KV transfer, queue).
-Not modelled: the gateway and router hops, tokenization, streaming, and other processes sharing
-the cores (``--time-scale`` stretches every modelled cost by one factor).
+Engines pinned to one CPU set (``--prefill-cpus``/``--decode-cpus``) share it: an operation
+starting while k of them are busy takes k times as long (``--no-shared-cores`` turns this off).
+Not modelled: the gateway and router hops, tokenization, streaming, and the other processes on
+the cores (kvd, router, gateway; ``--time-scale`` stretches every modelled cost by one factor).
 """
 
 from __future__ import annotations
@@ -42,10 +44,26 @@ class ValidationError(ValueError):
 class Arrangement:
     plan: Plan
     controller: dict[str, float] | None  # the router's controller settings, when it runs one
+    cores: list[str] | None = None  # per engine, its CPU set (``--prefill-cpus`` etc.)
 
 
 def _flag(args: list[str], name: str, default: int) -> int:
     return int(args[args.index(name) + 1]) if name in args else default
+
+
+def _cpu_sets(args: list[str], name: str, count: int) -> list[str] | None:
+    """The CPU set of each of ``count`` engines, cycled as ``pdserve up`` does; None when
+    ``name`` is not given (the engines float over every core)."""
+    spec = args[args.index(name) + 1] if name in args else ""
+    sets = [s for s in spec.split(";") if s]
+    return [sets[i % len(sets)] for i in range(count)] if sets else None
+
+
+def _cores(args: list[str], plan: Plan) -> list[str] | None:
+    """Per engine (prefill first), the CPU set it is pinned to, when every engine is."""
+    prefill = _cpu_sets(args, "--prefill-cpus", plan.num_prefill) if plan.num_prefill else []
+    decode = _cpu_sets(args, "--decode-cpus", plan.num_decode + plan.num_colocated)
+    return None if prefill is None or decode is None else prefill + decode
 
 
 def arrangement(args: list[str]) -> Arrangement:
@@ -53,17 +71,18 @@ def arrangement(args: list[str]) -> Arrangement:
     args = list(args)
     decode = _flag(args, "--decode", 1)
     if "--colocated" in args:
-        return Arrangement(Plan(0, 0, decode), None)
+        plan = Plan(0, 0, decode)
+        return Arrangement(plan, None, _cores(args, plan))
     plan = Plan(_flag(args, "--prefill", 1), decode)
     if "--controller" not in args:
-        return Arrangement(plan, None)
+        return Arrangement(plan, None, _cores(args, plan))
     settings = dict(ROUTER_DEFAULTS)
     for a in args:
         if a.startswith("--router-arg=--controller-"):
             key, _, value = a.removeprefix("--router-arg=--controller-").partition("=")
             if key in settings:
                 settings[key] = float(value)
-    return Arrangement(plan, settings)
+    return Arrangement(plan, settings, _cores(args, plan))
 
 
 def load_runs(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
@@ -92,7 +111,7 @@ def _weighted_pct(pairs: list[tuple[float, int]], q: float) -> float:
 
 
 def simulate(run: dict[str, Any], arr: Arrangement, model: CapacityModel, cfg: SimConfig,
-             slo: Slo) -> dict[str, float]:
+             slo: Slo, shared_cores: bool = True) -> dict[str, float]:
     ok = [r for r in run["requests"] if r.get("error") is None and r.get("ttft_s") is not None]
     requests = [SimRequest(i, float(r["start_s"]), max(1, int(r["tokens_in"])),
                            max(1, int(r["tokens_out"])))
@@ -106,7 +125,8 @@ def simulate(run: dict[str, Any], arr: Arrangement, model: CapacityModel, cfg: S
         ctl = SimController(model, slo, optimizer_cluster(len(roles), cfg), plan, c["window"],
                             c["interval"], c["margin"], c["dwell"])
         tick = c["interval"]
-    sim = Sim(model, cfg, roles, ctl.tick if ctl else None, tick)
+    sim = Sim(model, cfg, roles, ctl.tick if ctl else None, tick,
+              arr.cores if shared_cores else None)
     sim.itl = []
     if ctl is not None:
         sim.on_arrival = ctl.observe
@@ -142,7 +162,8 @@ def format_rows(name: str, rows: list[dict[str, float]]) -> str:
     return "\n".join(out)
 
 
-def validate(path: Path, model: CapacityModel, cfg: SimConfig, slo: Slo) -> list[dict[str, float]]:
+def validate(path: Path, model: CapacityModel, cfg: SimConfig, slo: Slo,
+             shared_cores: bool = True) -> list[dict[str, float]]:
     args, runs = load_runs(path)
     arr = arrangement(args)
-    return [simulate(run, arr, model, cfg, slo) for run in runs]
+    return [simulate(run, arr, model, cfg, slo, shared_cores) for run in runs]
