@@ -53,6 +53,20 @@ def test_from_bench_lines_uses_the_bench_json() -> None:
     assert m.prefill_overhead_s == pytest.approx(0, abs=1e-9)
 
 
+def test_step_time_follows_the_measured_points_inside_their_range() -> None:
+    # steps of 20, 38, 50 ms at 1, 4, 8 sequences: not a line
+    rows = [{"num_seqs": b, "pdserve_decode_tps": b / t, "pdserve_prefill_tps": 1000.0}
+            for b, t in ((1, 0.020), (4, 0.038), (8, 0.050))]
+    m = from_bench_lines(map(json.dumps, rows), prompt_len=128, max_batch=64)
+    assert [b for b, _ in m.decode_points] == [1, 4, 8]
+    assert [t for _, t in m.decode_points] == pytest.approx([0.020, 0.038, 0.050])
+    assert m.step_time(1) == pytest.approx(0.020) and m.step_time(4) == pytest.approx(0.038)
+    assert m.step_time(6) == pytest.approx(0.044)  # halfway between 4 and 8
+    # outside the measured batches, the fitted line
+    assert m.step_time(16) == pytest.approx(m.decode_base_s + 16 * m.decode_per_seq_s)
+    assert m.step_time(0) == pytest.approx(m.decode_base_s)
+
+
 @pytest.mark.parametrize(("lines", "message"), [
     (['{"num_seqs": 1, "pdserve_decode_tps": 90, "pdserve_prefill_tps": 900}'],
      "need points at two or more distinct sizes"),

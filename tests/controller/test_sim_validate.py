@@ -76,12 +76,18 @@ def test_validate_rows_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert (row["requests"], row["simulated"]) == (4, 4)
     assert row["ttft_p50_ms"] == pytest.approx(200) and row["itl_p99_ms"] == pytest.approx(20)
     assert row["sim_ttft_p50_ms"] == pytest.approx(105, rel=0.01)  # nothing queues at 2 req/s
+    assert row["ttft_gap_p50_ms"] == pytest.approx(95, rel=0.01)  # measured 200 - simulated 105
+    shifted = simulate(json.loads(path.read_text())["runs"][0], Arrangement(Plan(1, 1), None),
+                       MODEL, CFG, Slo(1.0, 0.1), ttft_offset_s=0.095)
+    assert shifted["sim_ttft_p50_ms"] == pytest.approx(200, rel=0.01)
+    assert shifted["ttft_gap_p50_ms"] == row["ttft_gap_p50_ms"]  # read before the offset
     assert cli.main(["--validate", str(path), "--json", "--time-scale", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("model: ") and "(time scale 2)" in out[0]
     assert json.loads(out[1])["rows"][0]["requests"] == 4
-    assert cli.main(["--validate", str(path)]) == 0
-    assert "ttft_p99_ms" in capsys.readouterr().out
+    assert cli.main(["--validate", str(path), "--ttft-offset-ms", "95"]) == 0
+    out = capsys.readouterr().out
+    assert "ttft_p99_ms" in out and "ttft gap p50" in out
 
 
 def test_validate_names_a_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

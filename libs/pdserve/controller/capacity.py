@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,11 @@ class CapacityModel:
     decode_base_s: float
     decode_per_seq_s: float
     max_batch: int = 64  # the engines' --max-num-seqs (a config value, not a fit)
+    # The measured (batch, step seconds) points, ascending, when the model came from them:
+    # ``step_time`` interpolates between them (a decode step's cost is not linear in the
+    # batch on a CPU: e.g. 20, 38, 49, 55 ms at 1, 4, 8, 32 sequences) and follows the fitted
+    # line outside their range. The optimizer's closed forms use the line.
+    decode_points: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.prefill_tokens_per_s <= 0 or self.decode_base_s <= 0:
@@ -51,6 +56,9 @@ class CapacityModel:
         return self.prefill_overhead_s + num_tokens / self.prefill_tokens_per_s
 
     def step_time(self, batch: float) -> float:
+        pts = self.decode_points
+        if len(pts) >= 2 and pts[0][0] <= batch <= pts[-1][0]:
+            return float(np.interp(batch, [b for b, _ in pts], [t for _, t in pts]))
         return self.decode_base_s + self.decode_per_seq_s * batch
 
 
@@ -81,6 +89,14 @@ def fit(prefill: Sequence[tuple[float, float]], decode: Sequence[tuple[float, fl
     return CapacityModel(overhead, 1.0 / per_token, base, per_seq, max_batch)
 
 
+def _measured(decode: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """The step time at each measured batch (the mean of repeats), ascending."""
+    by_batch: dict[float, list[float]] = {}
+    for b, t in decode:
+        by_batch.setdefault(b, []).append(t)
+    return tuple((b, float(np.mean(ts))) for b, ts in sorted(by_batch.items()))
+
+
 def from_bench_lines(lines: Iterable[str], prompt_len: int, max_batch: int) -> CapacityModel:
     """Fit from ``pdserve bench engine --json`` output (one JSON object per concurrency;
     ``prompt_len`` is the bench's ``--prompt-len``)."""
@@ -97,7 +113,7 @@ def from_bench_lines(lines: Iterable[str], prompt_len: int, max_batch: int) -> C
         tokens = n * prompt_len
         prefill.append((tokens, tokens / p_tps))
         decode.append((n, n / d_tps))
-    return fit(prefill, decode, max_batch)
+    return replace(fit(prefill, decode, max_batch), decode_points=_measured(decode))
 
 
 def from_stats(samples: Iterable[Sample], max_batch: int) -> CapacityModel:

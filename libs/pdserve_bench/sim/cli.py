@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
              "512, the engines' --max-num-batched-tokens default)")
     add("--time-scale", type=float, default=1.0,
         help="multiply every calibrated cost (engines sharing cores run slower than the bench)")
+    add("--ttft-offset-ms", type=float, default=0.0,
+        help="--validate: a fixed latency added to every simulated TTFT (what the model leaves "
+             "out: gateway, router, tokenization; read it off a low-rate run's ttft gap p50)")
     add("--no-shared-cores", dest="shared_cores", action="store_false",
         help="--validate: ignore the stack's CPU pinning (engines never share a core)")
     add("--goodput", action="store_true",
@@ -195,17 +198,20 @@ def _goodput(a: argparse.Namespace, model: CapacityModel, cfg: SimConfig, slo: S
 def _scaled(m: CapacityModel, k: float) -> CapacityModel:
     return replace(m, prefill_overhead_s=m.prefill_overhead_s * k,
                    prefill_tokens_per_s=m.prefill_tokens_per_s / k,
-                   decode_base_s=m.decode_base_s * k, decode_per_seq_s=m.decode_per_seq_s * k)
+                   decode_base_s=m.decode_base_s * k, decode_per_seq_s=m.decode_per_seq_s * k,
+                   decode_points=tuple((b, t * k) for b, t in m.decode_points))
 
 
 def _validate(a: argparse.Namespace, model: CapacityModel, cfg: SimConfig, slo: Slo) -> int:
     print(f"model: prefill {model.prefill_tokens_per_s:.0f} tok/s + "
           f"{model.prefill_overhead_s * 1000:.1f} ms/batch; decode step "
           f"{model.decode_base_s * 1000:.1f} ms + {model.decode_per_seq_s * 1000:.2f} ms/seq "
-          f"(time scale {a.time_scale:g}); chunk {cfg.chunk_tokens} tokens")
+          f"(time scale {a.time_scale:g}); chunk {cfg.chunk_tokens} tokens"
+          + (f"; steps interpolated between the {len(model.decode_points)} measured batches"
+             if len(model.decode_points) >= 2 else ""))
     for path in a.validate:
         try:
-            rows = validate(path, model, cfg, slo, a.shared_cores)
+            rows = validate(path, model, cfg, slo, a.shared_cores, a.ttft_offset_ms / 1000)
         except ValidationError as exc:
             sys.stderr.write(f"pdserve sim: error: --validate {exc}\n")
             return 2
