@@ -79,11 +79,12 @@ class Sender(Half):
         for i, ok, got, ref in zip(sent, resp.accepted, resp.checksums, refs, strict=False):
             verified[i] = ok and got == ref.checksum
         num = sum(resp.accepted)
-        metrics.sent_same_host(self._me.node_id, dest.node_id, num, num * self.slot_bytes,
-                               start, start_ns)
-        self.counters.bytes_out += num * self.slot_bytes
-        self.counters.num_transfers += 1
-        self.counters.num_same_host += 1
+        if num:  # as a UCX push: only a transfer that moved blocks counts
+            metrics.sent_same_host(self._me.node_id, dest.node_id, num, num * self.slot_bytes,
+                                   start, start_ns)
+            self.counters.bytes_out += num * self.slot_bytes
+            self.counters.num_transfers += 1
+            self.counters.num_same_host += 1
         return CheckedPush(num, verified)
 
     def _pin_for_transfer(self, slot: int) -> PinRecord:

@@ -129,6 +129,31 @@ async def test_a_writers_wrong_checksum_fails_a_same_host_commit_and_is_served_n
         await c.close()
 
 
+async def test_blocks_the_receiver_already_holds_are_checked_by_the_sender(
+        kvd_factory: Factory, redis_url: str) -> None:
+    """The receiver copies (and so checks) only blocks new to it; a Commit of blocks it holds
+    is checked on the sender, and a wrong checksum there still fails it."""
+    a, b = start(kvd_factory, redis_url), start(kvd_factory, redis_url)
+    ca, cb = await client(a), await client(b)
+    pins, hashes, sums = await write(ca, 2)
+    await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums, strict=True)],
+                    destination=endpoint(b))
+    assert await cb.lookup(hashes) == 2
+    # the same hashes and checksums again, on fresh slots whose bytes are not those blocks
+    again = await ca.allocate(2)
+    for p in again:
+        ca.slot_view(p.slot).fill_(1.0)
+    with pytest.raises(grpc.RpcError) as err:
+        await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(again, hashes, sums,
+                                                                 strict=True)],
+                        destination=endpoint(b))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("entries[0].checksum: does not match")
+    assert (await cb.stats()).num_same_host == 1  # the second push moved nothing
+    for c in (ca, cb):
+        await c.close()
+
+
 async def test_a_peer_killed_during_a_same_host_read_fails_closed_and_leaks_nothing(
         kvd_factory: Factory, redis_url: str) -> None:
     a = start(kvd_factory, redis_url)
