@@ -64,6 +64,9 @@ class KvdConfig(GrpcServiceConfig):
     same_host: bool = setting(
         True, BOOL, "same-host pushes: a receiving kvd maps the sending kvd's pool and copies "
         "the blocks from it (one copy) when both share a host; off = UCX only")
+    copy_threads: int = setting(
+        2, int_kind(1, 64), "threads of one same-host copy (numpy and xxhash release the GIL); "
+        "a copy under 4 MiB runs on the event loop")
     fault_corrupt_every: int = setting(
         0, int_kind(0), "TEST HOOK: flip a byte of every Nth block sent; 0 = off")
     fault_send_delay_ms: int = setting(

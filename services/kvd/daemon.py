@@ -205,7 +205,9 @@ class Kvd:
                      destination: common_pb2.KvdEndpoint | None, release: bool,
                      client_id: str) -> kvd_pb2.CommitResponse:
         """Publish the caller's written slots. The writer's checksum is required and must
-        match the slot: kvd never vouches for bytes it did not see written."""
+        match the slot: kvd never vouches for bytes it did not see written. With a destination
+        on this host the receiver's check of its copy (``Shipper.push_written``) stands for
+        this kvd's own pass over the blocks; only the blocks it did not take are read here."""
         ship = self._ship()
         pool = ship.pool
         self._check_batch(len(entries), "entries")
@@ -219,13 +221,18 @@ class Kvd:
             if not e.checksum:
                 raise BadRequest(f"entries[{i}].checksum: required: the writer's xxh3-64 of the "
                                  "slot's block bytes")
+        if len({e.slot for e in entries}) != len(entries):
+            raise BadRequest("entries: a slot appears twice")
+        dest = destination if destination is not None and destination.address else None
+        if dest is not None:
+            await self.gate.check(dest, "destination")
+        checked = await ship.push_written(dest, entries) if dest is not None else None
+        for i, e in enumerate(entries):
+            if checked is not None and checked.verified[i]:
+                continue
             if block_checksum(ship.slot_view(e.slot)) != e.checksum:
                 raise BadRequest(f"entries[{i}].checksum: does not match the bytes of slot "
                                  f"{e.slot} (not written, or written after the checksum)")
-        if len({e.slot for e in entries}) != len(entries):
-            raise BadRequest("entries: a slot appears twice")
-        if destination is not None and destination.address:
-            await self.gate.check(destination, "destination")
         slots, new = [], []
         for i, e in enumerate(entries):
             slot = pool.commit(e.slot, e.pin_id, e.hash, e.checksum, f"entries[{i}]")
@@ -236,8 +243,9 @@ class Kvd:
                 pool.release(e.pin_id)
         self.sync.added(new)
         resp = kvd_pb2.CommitResponse(num_duplicates=len(entries) - len(new), slots=slots)
-        if destination is not None and destination.address:
-            pushed = await ship.push(destination, list(dict.fromkeys(slots)))
+        if dest is not None:
+            pushed = checked.num_pushed if checked is not None else \
+                await ship.push(dest, list(dict.fromkeys(slots)))
             resp.push_started, resp.num_pushed = pushed is not None, pushed or 0
         return resp
 

@@ -70,6 +70,8 @@ class Link:
     async def stop(self) -> None:
         for task in list(self.tasks):
             task.cancel()
+        if self.same_host is not None:
+            self.same_host.close()
 
     def slot_view(self, slot: int) -> memoryview:
         start = self.data_offset + slot * self.slot_bytes

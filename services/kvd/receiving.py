@@ -1,7 +1,7 @@
 """The receiving half of shipping: take a peer's push or pull from a source, post the UCX
 receives (or copy straight from the peer's pool on the same host, ``samehost``), verify every
-block's checksum, refetch bad ones once, and abort a transfer whose peer is lost, restarted or
-stalled (the life cycle is in ``shipping``)."""
+block's checksum, refetch bad ones once (on the same host: copy them again), and abort a
+transfer whose peer is lost, restarted or stalled (the life cycle is in ``shipping``)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ class Receiver(Half):
 
     async def serve_push(self, req: kvd_pb2.TransferRequest) -> kvd_pb2.TransferResponse:
         """A peer announces blocks: reserve slots for those new here and post the receives."""
+        peer = self._same_host.open(req.shm_name, req.shm_token) \
+            if self._same_host is not None else None
+        if req.same_host_only and peer is None:  # the sender pushes over UCX once it checked
+            return kvd_pb2.TransferResponse(accepted=[False] * len(req.blocks),
+                                            ucx_address=self._transport.address)
         accepted = [ref.hash not in self.pool.by_hash and ref.hash not in self.inbound
                     for ref in req.blocks]
         room = self.pool.num_free + self.pool.num_evictable
@@ -68,14 +73,14 @@ class Receiver(Half):
         tr = Inbound(req.transfer_id, req.peer, [r.hash for r in refs], slots,
                      [r.checksum for r in refs], codec=self._accept(req.codec),
                      peer_ucx=req.ucx_address)
-        peer = self._same_host.open(req.shm_name, req.shm_token) \
-            if self._same_host is not None else None
+        sums: list[int] = []
         if refs and peer is not None:
             # Shielded: the copy and its outcome (publish, or free the slots and fail the
             # waiters) must finish even when the sender dies and gRPC cancels this handler.
             copy = asyncio.ensure_future(self._copy_same_host(tr, peer, src))
             copy.add_done_callback(lambda f: f.cancelled() or f.exception())
-            await asyncio.shield(copy)
+            got = iter(await asyncio.shield(copy))
+            sums = [next(got) if ok else 0 for ok in accepted]
         elif refs:
             try:
                 ep = await self._transport.endpoint(req.peer.node_id, req.ucx_address)
@@ -85,21 +90,28 @@ class Receiver(Half):
                 raise err from exc
             self._spawn(self._receive(tr, ep, self._transport.plan(src, slots)))
         return kvd_pb2.TransferResponse(accepted=accepted, ucx_address=self._transport.address,
-                                        slots=slots, codec=tr.codec,
+                                        slots=slots, codec=tr.codec, checksums=sums,
                                         same_host=peer is not None)
 
-    async def _copy_same_host(self, tr: Inbound, peer: PeerPool, src: list[int]) -> None:
-        """Copy the peer's slots ``src`` into ours (``samehost``), then publish them; ABORTED
-        (slots freed, waiters failed) if the peer died meanwhile."""
+    async def _copy_same_host(self, tr: Inbound, peer: PeerPool, src: list[int]) -> list[int]:
+        """Copy the peer's slots ``src`` into ours (``samehost``) and check each block against
+        its announced (the writer's) checksum; copy the mismatched ones once more, then publish
+        the good blocks and fail the others with DATA_LOSS. ABORTED (slots freed, waiters
+        failed) if the peer died meanwhile. Returns the checksum of each block as copied."""
         assert self._same_host is not None
         positions = range(len(tr.hashes))
         with metrics.transfer(self._me.node_id, "in", tr.peer.node_id, len(tr.hashes),
                               len(tr.hashes) * self.slot_bytes):
             try:
-                if len(src) * self.slot_bytes < _THREAD_VERIFY_BYTES:  # a thread hop costs more
-                    got = self._same_host.copy(peer, src, tr.slots)
-                else:
-                    got = await asyncio.to_thread(self._same_host.copy, peer, src, tr.slots)
+                got = await self._same_host.copy(peer, src, tr.slots)
+                bad = [p for p in positions if got[p] != tr.checksums[p]]
+                if bad:  # a refetch from the same pool: no UCX, and no race with its publish
+                    self.counters.num_checksum_failures += len(bad)
+                    self.counters.num_refetches += len(bad)
+                    again = await self._same_host.copy(peer, [src[p] for p in bad],
+                                                       [tr.slots[p] for p in bad])
+                    for p, checksum in zip(bad, again, strict=True):
+                        got[p] = checksum
             except ValueError as exc:
                 err = StatusError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 self._fail(tr, positions, err)
@@ -117,7 +129,8 @@ class Receiver(Half):
         self.counters.num_transfers += 1
         self.counters.num_same_host += 1
         if bad:
-            self._refetch(tr, bad)
+            self._fail(tr, bad, self._mismatch_twice(tr, bad))
+        return got
 
     def _reserve(self, hashes: list[bytes]) -> list[int]:
         slots = self.pool.reserve(hashes) if hashes else []
@@ -237,14 +250,18 @@ class Receiver(Half):
 
     def _refetch(self, tr: Inbound, bad: list[int]) -> None:
         if tr.attempt > 0:
-            self._fail(tr, bad, StatusError(
-                grpc.StatusCode.DATA_LOSS, f"block checksum mismatch twice from "
-                f"{tr.peer.node_id}: {', '.join(tr.hashes[p].hex()[:16] for p in bad[:4])}"))
+            self._fail(tr, bad, self._mismatch_twice(tr, bad))
             return
         self.counters.num_refetches += len(bad)
         again = Inbound(secrets.randbits(64), tr.peer, [tr.hashes[p] for p in bad],
                         [tr.slots[p] for p in bad], [tr.checksums[p] for p in bad], attempt=1)
         self._spawn(self._pull(again))
+
+    @staticmethod
+    def _mismatch_twice(tr: Inbound, bad: list[int]) -> StatusError:
+        return StatusError(grpc.StatusCode.DATA_LOSS, f"block checksum mismatch twice from "
+                           f"{tr.peer.node_id}: "
+                           f"{', '.join(tr.hashes[p].hex()[:16] for p in bad[:4])}")
 
     async def _abort(self, tr: Inbound, tasks: list[asyncio.Task[int]],
                      messages: list[Message], firsts: list[int], done_msgs: set[int],

@@ -2,13 +2,24 @@
 from its slots into its own (one copy, no UCX, no bounce buffer).
 
     sender A (Commit with push)                    receiver B (same host)
-    pin the blocks, Transfer(PUSH,      ──gRPC──►  map /dev/shm/<shm_name> read-only (cached)
-      shm_name, shm_token)                          and check magic, slot size and token;
-                                                    per block, in a worker thread: copy A's slot
-                                                    into B's, xxh3 it while it is in cache;
+    blocks written, NOT yet checked or
+    published (the writer's pins hold
+    them); Transfer(PUSH, shm_name,     ──gRPC──►  map /dev/shm/<shm_name> read-only (cached)
+      shm_token, same_host_only)                    and check magic, slot size and token;
+                                                    per run of blocks, in worker threads: copy
+                                                    A's slots into B's, xxh3 each block while it
+                                                    is in cache, compare with the writer's;
+                                                    copy the mismatched ones once more;
                                                     A still alive? publish the good blocks,
-                                                    refetch bad ones over UCX (a pull)
-    release the pins; nothing to send  ◄─────────  same_host: true
+                                                    fail the others (DATA_LOSS)
+    blocks B checked need no pass here;  ◄───────  same_host: true, checksums as copied
+    check the rest, publish, answer
+
+B's check of its copy stands for A's own pass over the blocks: the copy is of A's slot while
+the writer's pins hold it. A block B did not take (it held it already, or its copy mismatched)
+A checks itself; a mismatch there fails the Commit (INVALID_ARGUMENT) and nothing is published
+on A. A receiver that cannot map the segment (another host) accepts nothing; A then checks,
+publishes and pushes over UCX, and remembers that peer as "elsewhere".
 
 Why a dead peer cannot crash the reader: a mapping of a POSIX shared-memory file stays valid
 after its creator dies and after the file is unlinked (the pages live until the last mapping
@@ -24,9 +35,12 @@ pid namespace), means "not this host": the push goes over UCX.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +52,9 @@ from services.kvd import segments
 from services.kvd.config import KvdConfig
 
 log = logging.getLogger(__name__)
+
+# Below this many bytes a copy runs on the event loop: a thread hop costs more than it saves.
+INLINE_COPY_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -100,7 +117,7 @@ class SameHost:
 
     def __init__(self, own: np.ndarray, data_offset: int, slot_bytes: int,
                  faults: SameHostFaults = SameHostFaults(),
-                 shm_dir: Path = segments.SHM_DIR) -> None:
+                 shm_dir: Path = segments.SHM_DIR, threads: int = 2) -> None:
         self._own = own
         self._data_offset = data_offset
         self.slot_bytes = slot_bytes
@@ -108,6 +125,9 @@ class SameHost:
         self._dir = shm_dir
         self._maps: dict[str, PeerPool] = {}
         self._num_copied = 0
+        self._fault_lock = threading.Lock()
+        self._threads = threads
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvd-copy")
 
     def open(self, name: str, token: bytes) -> PeerPool | None:
         """The peer pool ``name`` if it is on this host and holds ``token``; else None."""
@@ -126,23 +146,41 @@ class SameHost:
             return None  # a creator this kvd cannot see (another pid namespace): not this host
         return peer
 
-    def copy(self, peer: PeerPool, src: list[int], dst: list[int]) -> list[int]:
+    async def copy(self, peer: PeerPool, src: list[int], dst: list[int]) -> list[int]:
         """Copy the peer's slots ``src`` into this pool's ``dst``; the xxh3 of each copied
-        block, taken right after its copy (still in cache). Runs in a worker thread: numpy's
-        copy and xxhash release the GIL."""
+        block, taken right after its copy (still in cache). Small copies run inline (a thread
+        hop costs more); larger ones are cut into ``threads`` runs copied at once in worker
+        threads (numpy's copy and xxhash release the GIL: one core alone does not reach the
+        memory bandwidth)."""
+        for s in src:
+            if not 0 <= s < peer.num_slots:
+                raise ValueError(f"slots: peer slot {s} out of range 0..{peer.num_slots - 1}")
+        if len(src) * self.slot_bytes < INLINE_COPY_BYTES:
+            return self._copy_run(peer, src, dst)
+        step = -(-len(src) // self._threads)
+        loop = asyncio.get_running_loop()
+        runs = await asyncio.gather(*[
+            loop.run_in_executor(self._executor, self._copy_run, peer, src[i:i + step],
+                                 dst[i:i + step]) for i in range(0, len(src), step)])
+        return [c for run in runs for c in run]
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False)
+
+    def _copy_run(self, peer: PeerPool, src: list[int], dst: list[int]) -> list[int]:
         sb = self.slot_bytes
         sums = []
         for s, d in zip(src, dst, strict=True):
-            if not 0 <= s < peer.num_slots:
-                raise ValueError(f"slots: peer slot {s} out of range 0..{peer.num_slots - 1}")
             at = self._data_offset + d * sb
             out = self._own[at:at + sb]
             frm = L.HEADER_BYTES + s * sb
             np.copyto(out, peer.arr[frm:frm + sb])
-            self._num_copied += 1
             n = self.faults.corrupt_every
-            if n > 0 and self._num_copied % n == 0:
-                out[0] ^= 0xFF  # test hook: corrupt the copy, never the peer's pool
+            if n > 0:
+                with self._fault_lock:
+                    self._num_copied += 1
+                    if self._num_copied % n == 0:
+                        out[0] ^= 0xFF  # test hook: corrupt the copy, never the peer's pool
             sums.append(block_checksum(out.data))
         return sums
 
@@ -158,7 +196,7 @@ def make(config: KvdConfig, own: np.ndarray, slot_bytes: int, shm_name: str, tok
         return None, ("", b"")
     faults = SameHostFaults(config.fault_same_host_corrupt_every,
                             config.fault_same_host_delay_ms)
-    mapper = SameHost(own, L.HEADER_BYTES, slot_bytes, faults)
+    mapper = SameHost(own, L.HEADER_BYTES, slot_bytes, faults, threads=config.copy_threads)
     if config.fault_corrupt_every or config.fault_send_delay_ms:
         return mapper, ("", b"")
     return mapper, (shm_name, token)

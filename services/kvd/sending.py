@@ -8,6 +8,7 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -24,12 +25,67 @@ log = logging.getLogger(__name__)
 _PUSH = kvd_pb2.TransferRequest.DIRECTION_PUSH
 
 
+@dataclass(frozen=True)
+class CheckedPush:
+    """A same-host push of blocks not yet published here (``Sender.push_written``)."""
+
+    num_pushed: int | None  # None: the receiver could not be reached
+    verified: list[bool]  # per block: the receiver's copy matched the writer's checksum
+
+
 class Sender(Half):
     """Push and serve-pull of one kvd's blocks."""
 
     def __init__(self, link: Link) -> None:
         super().__init__(link)
         self._release = link.release
+        self._elsewhere: set[str] = set()  # peers that answered "not on this host"
+
+    async def push_written(self, dest: common_pb2.KvdEndpoint,
+                           entries: Sequence[kvd_pb2.CommitEntry]) -> CheckedPush | None:
+        """Push a Commit's written, not yet published blocks (their writer's pins hold the
+        slots) to a receiver on this host, which copies them from our pool and checks each
+        against the writer's checksum while it is in cache: its check stands for ours, so
+        Commit need not read the blocks again. None if ``dest`` is not on this host (or this
+        pool is not offered): the caller checks the blocks, publishes them and pushes over UCX.
+        A hash repeated in the batch goes once; its later entries count as not verified."""
+        name, token = self.link.segment
+        if not name or dest.node_id in self._elsewhere:
+            return None
+        first: dict[bytes, int] = {}
+        for i, e in enumerate(entries):
+            first.setdefault(e.hash, i)
+        sent = list(first.values())
+        refs = [common_pb2.BlockRef(hash=entries[i].hash, checksum=entries[i].checksum)
+                for i in sent]
+        req = kvd_pb2.TransferRequest(direction=_PUSH, peer=self._me, blocks=refs,
+                                      ucx_address=self._transport.address,
+                                      transfer_id=secrets.randbits(64),
+                                      slots=[entries[i].slot for i in sent],
+                                      slot_bytes=self.slot_bytes, kv_dtype=self.kv_dtype,
+                                      shm_name=name, shm_token=token, same_host_only=True)
+        start, start_ns = time.perf_counter(), time.time_ns()
+        try:
+            resp = await self._peers.transfer(dest.address, req, RPC_TIMEOUT_S + self._timeout)
+        except grpc.RpcError as exc:
+            log.warning("push announce failed", extra={"fields": {"dest": dest.address,
+                                                                  "error": str(exc)}})
+            self.counters.num_errors += 1
+            return CheckedPush(None, [False] * len(entries))
+        if not resp.same_host:
+            self._elsewhere.add(dest.node_id)
+            return None
+        verified = [False] * len(entries)
+        for i, ok, got, ref in zip(sent, resp.accepted, resp.checksums, refs, strict=False):
+            verified[i] = ok and got == ref.checksum
+        num = sum(resp.accepted)
+        if num:  # as a UCX push: only a transfer that moved blocks counts
+            metrics.sent_same_host(self._me.node_id, dest.node_id, num, num * self.slot_bytes,
+                                   start, start_ns)
+            self.counters.bytes_out += num * self.slot_bytes
+            self.counters.num_transfers += 1
+            self.counters.num_same_host += 1
+        return CheckedPush(num, verified)
 
     def _pin_for_transfer(self, slot: int) -> PinRecord:
         h = self.pool.slots[slot].hash

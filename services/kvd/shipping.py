@@ -25,7 +25,8 @@ caller must get the blocks elsewhere, e.g. compute them again); a send likewise 
 pins. A pull whose source cannot be reached fails the same way.
 A message's plan is the maximal runs contiguous in both pools (``transfer.plan_messages``).
 On one host a push skips UCX: the receiver copies from the sender's mapped pool while the
-sender waits for its answer (``samehost``).
+sender waits for its answer, and its check of each copied block stands for the sender's own
+(a Commit pushes before it publishes; ``samehost`` has that order).
 ``sending`` has the sender's side, ``receiving`` the receiver's, ``link`` what they share;
 ``Shipper`` here is the one face the daemon sees.
 """
@@ -38,7 +39,7 @@ from collections.abc import Sequence
 from pdserve.proto.v1 import common_pb2, kvd_pb2
 from services.kvd.link import Link
 from services.kvd.receiving import Receiver
-from services.kvd.sending import Sender
+from services.kvd.sending import CheckedPush, Sender
 
 
 class Shipper:
@@ -64,6 +65,12 @@ class Shipper:
     async def push(self, dest: common_pb2.KvdEndpoint, slots: Sequence[int]) -> int | None:
         """Announce ``slots``' blocks to ``dest`` and start sending; None if unreachable."""
         return await self._sender.push(dest, slots)
+
+    async def push_written(self, dest: common_pb2.KvdEndpoint,
+                           entries: Sequence[kvd_pb2.CommitEntry]) -> CheckedPush | None:
+        """Same-host push of a Commit's written, unpublished blocks, checked by the receiver;
+        None if ``dest`` is not on this host (``Sender.push_written``)."""
+        return await self._sender.push_written(dest, entries)
 
     def serve_pull(self, req: kvd_pb2.TransferRequest) -> kvd_pb2.TransferResponse:
         """A peer asks for blocks it lacks: pin those present here and start sending them."""

@@ -14,6 +14,8 @@ from services.kvd.transfer import Message, plan_messages
     ({"capacity_mib": 0}, "--capacity-mib"),
     ({"transfer_timeout": 0.0}, "--transfer-timeout"),
     ({"max_batch_blocks": 0}, "--max-batch-blocks"),
+    ({"copy_threads": 0}, "--copy-threads"),
+    ({"copy_threads": 65}, "--copy-threads"),
     ({"redis_url": "http://x"}, "--redis-url"),
 ])
 def test_config_errors_name_the_flag(kwargs: dict[str, object], field: str) -> None:
@@ -24,6 +26,7 @@ def test_config_errors_name_the_flag(kwargs: dict[str, object], field: str) -> N
 def test_flags_and_env_twins() -> None:
     cfg = KvdConfig.from_argv(["--capacity-mib", "8", "--fault-corrupt-every", "3"])
     assert cfg.capacity_mib == 8 and cfg.fault_corrupt_every == 3 and cfg.ucx_tls == "^cma"
+    assert cfg.copy_threads == 2 and KvdConfig.from_argv(["--copy-threads", "1"]).copy_threads == 1
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -14,11 +14,19 @@ import grpc
 import numpy as np
 import pytest
 
+from pdserve.hashing import block_checksum
 from pdserve.kvd import layout as L
 from pdserve.kvd.client import CommitEntry
 from services.kvd import segments
 from services.kvd.config import KvdConfig
-from services.kvd.samehost import SameHost, make, map_segment, shares_memory
+from services.kvd.samehost import (
+    INLINE_COPY_BYTES,
+    PeerPool,
+    SameHost,
+    make,
+    map_segment,
+    shares_memory,
+)
 from tests.kvd.conftest import ROOT
 from tests.kvd.test_kvd_processes import (
     Factory,
@@ -56,20 +64,92 @@ async def test_a_push_on_one_host_is_copied_from_the_peers_pool_bit_exact(
         await c.close()
 
 
-async def test_a_corrupted_same_host_copy_is_detected_and_refetched_over_ucx(
+async def test_a_corrupted_same_host_copy_is_detected_and_copied_again(
         kvd_factory: Factory, redis_url: str) -> None:
     a = start(kvd_factory, redis_url)
-    b = start(kvd_factory, redis_url, "--fault-same-host-corrupt-every", "3")
+    b = start(kvd_factory, redis_url, "--fault-same-host-corrupt-every", "5")
     ca, cb = await client(a), await client(b)
-    pins, hashes, sums = await write(ca, 7)  # copies 3 and 6 are corrupted here
+    pins, hashes, sums = await write(ca, 7)  # copy 5 is corrupted here; its second copy is 8
     want = bytes_of(ca, pins)
     await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums, strict=True)],
                     destination=endpoint(b))
+    assert await cb.lookup(hashes) == 7  # all taken before Commit returned
     got = await cb.await_blocks(refs(hashes, sums), timeout=10)
     assert bytes_of(cb, got) == want
     stats = await cb.stats()
-    assert (stats.num_checksum_failures, stats.num_refetches, stats.num_same_host) == (2, 2, 1)
+    assert (stats.num_checksum_failures, stats.num_refetches, stats.num_same_host) == (1, 1, 1)
     await cb.release([p.pin_id for p in got])
+    for c in (ca, cb):
+        await c.close()
+
+
+async def test_a_same_host_copy_corrupted_twice_is_never_served_and_is_pulled_again(
+        kvd_factory: Factory, redis_url: str) -> None:
+    """The receiver's check stands for the sender's: a block whose copy fails it twice is
+    dropped there (DATA_LOSS), while the sender, having checked it itself, holds it."""
+    a = start(kvd_factory, redis_url)
+    b = start(kvd_factory, redis_url, "--fault-same-host-corrupt-every", "1")
+    ca, cb = await client(a), await client(b)
+    pins, hashes, sums = await write(ca, 3)
+    want = bytes_of(ca, pins)
+    r = await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums,
+                                                                 strict=True)],
+                        destination=endpoint(b))
+    assert (r.num_pushed, r.push_started) == (3, True)
+    stats = await cb.stats()
+    assert (stats.num_checksum_failures, stats.num_refetches) == (6, 3)
+    assert (stats.slots_present, stats.slots_in_flight) == (0, 0)
+    assert await cb.lookup(hashes) == 0 and await ca.lookup(hashes) == 3
+    got = await cb.await_blocks(refs(hashes, sums), source=endpoint(a), timeout=10)
+    assert bytes_of(cb, got) == want  # pulled over UCX (the hook corrupts same-host copies)
+    await cb.release([p.pin_id for p in got])
+    for c in (ca, cb):
+        await c.close()
+
+
+async def test_a_writers_wrong_checksum_fails_a_same_host_commit_and_is_served_nowhere(
+        kvd_factory: Factory, redis_url: str) -> None:
+    a, b = start(kvd_factory, redis_url), start(kvd_factory, redis_url)
+    ca, cb = await client(a), await client(b)
+    pins, hashes, sums = await write(ca, 3)
+    sums[2] ^= 1
+    with pytest.raises(grpc.RpcError) as err:
+        await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums,
+                                                                 strict=True)],
+                        destination=endpoint(b))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith(
+        f"entries[2].checksum: does not match the bytes of slot {pins[2].slot}")
+    assert await ca.lookup(hashes) == 0  # nothing published on the sender
+    # the receiver took the two blocks that matched their checksums, not the third
+    assert await cb.lookup(hashes[:2]) == 2 and await cb.lookup(hashes[2:]) == 0
+    stats = await cb.stats()
+    assert (stats.num_checksum_failures, stats.slots_in_flight, stats.slots_pinned) == (2, 0, 0)
+    for c in (ca, cb):
+        await c.close()
+
+
+async def test_blocks_the_receiver_already_holds_are_checked_by_the_sender(
+        kvd_factory: Factory, redis_url: str) -> None:
+    """The receiver copies (and so checks) only blocks new to it; a Commit of blocks it holds
+    is checked on the sender, and a wrong checksum there still fails it."""
+    a, b = start(kvd_factory, redis_url), start(kvd_factory, redis_url)
+    ca, cb = await client(a), await client(b)
+    pins, hashes, sums = await write(ca, 2)
+    await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums, strict=True)],
+                    destination=endpoint(b))
+    assert await cb.lookup(hashes) == 2
+    # the same hashes and checksums again, on fresh slots whose bytes are not those blocks
+    again = await ca.allocate(2)
+    for p in again:
+        ca.slot_view(p.slot).fill_(1.0)
+    with pytest.raises(grpc.RpcError) as err:
+        await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(again, hashes, sums,
+                                                                 strict=True)],
+                        destination=endpoint(b))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("entries[0].checksum: does not match")
+    assert (await cb.stats()).num_same_host == 1  # the second push moved nothing
     for c in (ca, cb):
         await c.close()
 
@@ -109,6 +189,7 @@ async def test_a_peer_killed_during_a_same_host_read_fails_closed_and_leaks_noth
 
 _OWNER = """
 import os, sys
+from pdserve.hashing import block_checksum
 from pdserve.kvd import layout as L
 from services.kvd import segments
 name = segments.segment_name(sys.argv[1], os.getpid(), 7)
@@ -139,14 +220,33 @@ def test_a_mapping_outlives_its_killed_owner_and_its_unlinked_file() -> None:
         owner.wait()
         (segments.SHM_DIR / name).unlink()
         assert not peer.alive() and map_segment(name) is None
-        assert mapper.copy(peer, [0], [0]) == mapper.copy(peer, [0], [0])
+        assert asyncio.run(mapper.copy(peer, [0], [0])) == [block_checksum(b"x" * 4096)]
         assert bytes(own[L.HEADER_BYTES:]) == b"x" * 4096  # read after death and unlink
         with pytest.raises(ValueError, match="peer slot 4 out of range 0..3"):
-            mapper.copy(peer, [4], [0])
+            asyncio.run(mapper.copy(peer, [4], [0]))
         assert mapper.open(name, b"t" * 16) is None  # a dead owner's mapping is dropped
     finally:
         owner.kill()
         (segments.SHM_DIR / name).unlink(missing_ok=True)
+
+
+def test_a_large_copy_is_cut_into_runs_copied_by_threads_in_order() -> None:
+    slot_bytes, num_slots = 64 << 10, 80  # 5 MiB: above INLINE_COPY_BYTES, so threaded
+    assert num_slots * slot_bytes > INLINE_COPY_BYTES
+    src_pool = np.random.default_rng(0).integers(
+        0, 256, L.segment_bytes(slot_bytes, num_slots), dtype=np.uint8)
+    peer = PeerPool("p", os.getpid(), b"t" * 16, slot_bytes, num_slots, src_pool)
+    own = np.zeros(L.segment_bytes(slot_bytes, num_slots), np.uint8)
+    mapper = SameHost(own, L.HEADER_BYTES, slot_bytes, threads=3)
+    src = list(range(num_slots))
+    dst = src[::-1]
+    got = asyncio.run(mapper.copy(peer, src, dst))
+
+    def slot(arr: np.ndarray, i: int) -> bytes:
+        return bytes(arr[L.HEADER_BYTES + i * slot_bytes:L.HEADER_BYTES + (i + 1) * slot_bytes])
+
+    assert got == [block_checksum(slot(src_pool, s)) for s in src]
+    assert all(slot(own, d) == slot(src_pool, s) for s, d in zip(src, dst, strict=True))
 
 
 @pytest.mark.parametrize(("tls", "shared"), [("", True), ("^cma", True), ("tcp,sm", True),
