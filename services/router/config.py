@@ -99,6 +99,9 @@ class RouterConfig(GrpcServiceConfig):
                                       "least seconds a plan stays in force (no flapping)")
     controller_margin: float = setting(0.1, float_kind(0.0), "a new plan must serve this "
                                        "fraction more than the plan in force to replace it")
+    controller_stabilize: float = setting(0.0, float_kind(0.0),
+                                          "while the plan in force serves the load, a new plan "
+                                          "must be the best for this many seconds first")
     controller_lease_ms: int = setting(5000, int_kind(30), "leader lease among routers sharing "
                                        "Redis (ms); a dead leader's lapses after this")
     slo_admission: str = setting("off", choice_kind(*SLO_ADMISSION_MODES),

@@ -136,7 +136,7 @@ class RouterController:
         loop_config = LoopConfig(self.config.controller_interval,
                                  self.config.controller_interval, self.slo)
         policy = Policy(plan, self.config.controller_margin, self.config.controller_dwell,
-                        now=time.monotonic())
+                        now=time.monotonic(), stable_s=self.config.controller_stabilize)
         monitor = ResourceMonitor(PoolStatsSource(self.pool), self.config.controller_window)
         return Controller(monitor, self.window, self.model, policy, cluster,
                           make_actuator(self.config, self.pool), loop_config, self.lease,

@@ -63,13 +63,15 @@ def test_controller_settings_errors_name_the_flag(kwargs: dict, needle: str) -> 
 async def test_flags_build_the_controller_settings() -> None:
     cfg = RouterConfig.from_argv(["--prefill", "a:1", "--decode", "b:2", "--controller",
                                   "in-place", "--slo-ttft-ms", "500", "--slo-tpot-ms", "40",
-                                  "--controller-dwell", "5"])
-    assert (cfg.controller, cfg.slo_ttft_ms, cfg.slo_tpot_ms, cfg.controller_dwell) == (
-        "in-place", 500.0, 40.0, 5.0)
+                                  "--controller-dwell", "5", "--controller-stabilize", "3"])
+    assert (cfg.controller, cfg.slo_ttft_ms, cfg.slo_tpot_ms, cfg.controller_dwell,
+            cfg.controller_stabilize) == ("in-place", 500.0, 40.0, 5.0, 3.0)
     pool = InstancePool(cfg.prefill, cfg.decode)
     ctl = maybe_controller(cfg, pool)
     assert ctl is not None and ctl.lease is None  # no Redis: always the leader
     assert (ctl.slo.ttft_s, ctl.slo.tpot_s) == (0.5, 0.04)
+    policy = ctl.build().policy
+    assert (policy.min_dwell_s, policy.stable_s) == (5.0, 3.0)
     assert maybe_controller(RouterConfig(**BASE), pool) is None  # off by default
 
 

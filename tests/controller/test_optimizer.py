@@ -141,3 +141,34 @@ def test_urgent_dwell_does_not_flap_between_two_short_plans() -> None:
             switches.append(tick)
     assert len(switches) <= 3 and all(b - a >= 5 for a, b in zip(switches, switches[1:],
                                                                   strict=False))
+
+
+def test_stabilization_window_waits_for_a_steady_best_plan() -> None:
+    slo = Slo(5.0, 0.05)
+    serves = Load(3.0, RAG.input_len, RAG.output_len)  # p=5 d=5 serves 4.44: it keeps up
+    policy = Policy(Plan(5, 5), margin=0.1, min_dwell_s=0, now=0, stable_s=5)
+    d = policy.decide(10, MODEL, serves, slo, DISAGG_ONLY)
+    assert not d.changed and d.reason.startswith("hold (best for 0s < 5s)")
+    assert not policy.decide(14, MODEL, serves, slo, DISAGG_ONLY).changed
+    d = policy.decide(15, MODEL, serves, slo, DISAGG_ONLY)
+    assert d.changed and d.plan == Plan(9, 1)
+    # an overloaded plan is not held by the window (min_dwell 0: it switches at once)
+    overloaded = Load(6.0, RAG.input_len, RAG.output_len)
+    d = Policy(Plan(5, 5), 0.1, 0, now=0, stable_s=5).decide(10, MODEL, overloaded, slo,
+                                                              DISAGG_ONLY)
+    assert d.changed and d.plan == Plan(9, 1)
+
+
+@pytest.mark.parametrize(("stable_s", "most"), [(0.0, None), (5.0, 0)])
+def test_a_wobbling_mix_moves_nothing_within_the_stabilization_window(
+        stable_s: float, most: int | None) -> None:
+    # the mix flips every 2 s while the plan in force keeps up with either: without a window
+    # the policy follows every flip (dwell 0); with a 5 s window it never switches
+    loads = [Load(3.0, RAG.input_len, RAG.output_len), Load(1.0, LONG.input_len, LONG.output_len)]
+    policy = Policy(Plan(5, 5), margin=0.1, min_dwell_s=0, now=0, stable_s=stable_s)
+    switches = sum(policy.decide(float(t), MODEL, loads[(t // 2) % 2], Slo(5.0, 0.05),
+                                 DISAGG_ONLY).changed for t in range(60))
+    if most is None:
+        assert switches >= 10
+    else:
+        assert switches == most

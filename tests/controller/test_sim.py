@@ -127,6 +127,9 @@ def test_cli_json_and_user_errors(capsys: pytest.CaptureFixture[str], tmp_path) 
         cli.main(["--instances", "1"])
     assert "needs at least 2 instances" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        cli.main(["--stabilize-s", "-1"])
+    assert "--stabilize-s must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         cli.main(["--tpot-slo", "0", "--load", "-1"])
     assert "--load, --tpot-slo must be > 0" in capsys.readouterr().err
     bad = tmp_path / "bench.jsonl"

@@ -30,7 +30,11 @@ CFG = SimConfig(chunk_tokens=256, block_size=16, block_bytes=1000.0, link_bytes_
     (["--prefill", "2", "--decode", "1", "--prefill-cpus", "0;1", "--decode-cpus", "0",
       "--controller", "in-place", "--router-arg=--controller-interval=1",
       "--router-arg=--controller-dwell=4"], Plan(2, 1),
-     {"interval": 1.0, "window": 30.0, "dwell": 4.0, "margin": 0.1}, ["0", "1", "0"]),
+     {"interval": 1.0, "window": 30.0, "dwell": 4.0, "margin": 0.1, "stabilize": 0.0},
+     ["0", "1", "0"]),
+    (["--prefill", "2", "--decode", "1", "--controller", "in-place",
+      "--router-arg=--controller-stabilize=3"], Plan(2, 1),
+     {"interval": 10.0, "window": 30.0, "dwell": 30.0, "margin": 0.1, "stabilize": 3.0}, None),
 ])
 def test_the_arrangement_is_what_the_up_arguments_start(args: list[str], plan: Plan,
                                                         controller: dict | None,

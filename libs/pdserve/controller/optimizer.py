@@ -162,33 +162,51 @@ class Policy:
     capacity at the predicted load and the current plan has been kept ``min_dwell_s`` — or,
     with ``urgent_dwell_s`` set, only that long while the forecast load exceeds what the current
     plan serves (its queues grow every second it stays; the better plan must still clear the
-    margin, so two plans that both fall short do not alternate)."""
+    margin, so two plans that both fall short do not alternate).
+
+    ``stable_s`` is a stabilization window (as Kubernetes' autoscaler has): while the plan in
+    force still serves the forecast load, a new plan is adopted only once it has been the best
+    one, past the margin, at every decision for ``stable_s`` — a mix that wobbles with the
+    sampling noise of a short window then moves nothing. An overloaded plan is not held by it.
+    """
 
     def __init__(self, initial: Plan, margin: float = 0.1, min_dwell_s: float = 30.0,
-                 now: float = 0.0, urgent_dwell_s: float | None = None) -> None:
-        if margin < 0 or min_dwell_s < 0 or (urgent_dwell_s or 0) < 0:
-            raise ValueError("margin, min_dwell_s and urgent_dwell_s must be >= 0")
+                 now: float = 0.0, urgent_dwell_s: float | None = None,
+                 stable_s: float = 0.0) -> None:
+        if margin < 0 or min_dwell_s < 0 or (urgent_dwell_s or 0) < 0 or stable_s < 0:
+            raise ValueError("margin, min_dwell_s, urgent_dwell_s and stable_s must be >= 0")
         self.plan, self.margin, self.min_dwell_s = initial, margin, min_dwell_s
         self.urgent_dwell_s = min_dwell_s if urgent_dwell_s is None else urgent_dwell_s
+        self.stable_s = stable_s
         self.changed_at = now
+        self._candidate: tuple[Plan, float] | None = None  # the better plan, best since when
 
     def decide(self, now: float, m: CapacityModel, load: Load, slo: Slo,
                cluster: Cluster) -> Decision:
         if load.rate <= 0:  # no arrivals, or a falling trend clamped at 0: nothing to plan for
+            self._candidate = None
             return Decision(self.plan, False, "hold: no load forecast (0 req/s)", load, 0.0)
         current = score(self.plan, m, load, slo, cluster)
         best = best_plan(m, load, slo, cluster)
         what = (f"load {load.rate:.2f} req/s in {load.input_len:.0f}/{load.output_len:.0f} "
                 f"tokens: best {best.plan} serves {best.capacity:.2f}, {self.plan} serves "
                 f"{current.capacity:.2f}")
-        if best.plan == self.plan:
-            return Decision(self.plan, False, f"hold: {what}", load, current.capacity)
-        if best.capacity < current.capacity * (1 + self.margin):
-            return Decision(self.plan, False, f"hold (within {self.margin:.0%} margin): {what}",
-                            load, current.capacity)
-        dwell = self.urgent_dwell_s if load.rate > current.capacity else self.min_dwell_s
+
+        def hold(why: str) -> Decision:
+            return Decision(self.plan, False, f"{why}: {what}", load, current.capacity)
+
+        if best.plan == self.plan or best.capacity < current.capacity * (1 + self.margin):
+            self._candidate = None
+            return hold("hold" if best.plan == self.plan else
+                        f"hold (within {self.margin:.0%} margin)")
+        if self._candidate is None or self._candidate[0] != best.plan:
+            self._candidate = (best.plan, now)
+        overloaded = load.rate > current.capacity
+        stable_for = now - self._candidate[1]
+        if not overloaded and stable_for < self.stable_s:
+            return hold(f"hold (best for {stable_for:.0f}s < {self.stable_s:.0f}s)")
+        dwell = self.urgent_dwell_s if overloaded else self.min_dwell_s
         if now - self.changed_at < dwell:
-            return Decision(self.plan, False, f"hold (dwell {now - self.changed_at:.0f}s < "
-                            f"{dwell:.0f}s): {what}", load, current.capacity)
-        self.plan, self.changed_at = best.plan, now
+            return hold(f"hold (dwell {now - self.changed_at:.0f}s < {dwell:.0f}s)")
+        self.plan, self.changed_at, self._candidate = best.plan, now, None
         return Decision(best.plan, True, f"switch: {what}", load, best.capacity)

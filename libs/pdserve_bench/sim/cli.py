@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--urgent-dwell-s", type=float, default=None,
         help="least time between switches while the plan cannot serve the forecast load "
              "(default: --min-dwell-s)")
+    add("--stabilize-s", type=float, default=0.0,
+        help="a new plan must be the best this long first while the plan in force keeps up "
+             "(the router's --controller-stabilize)")
     add("--grid-steps", type=int, default=7, help="fixed ratios tried per cluster size")
     add("--json", action="store_true", help="one JSON object per cluster size")
     add("--plot", type=Path, default=None, help="PNG of the controller's decision trace")
@@ -102,6 +105,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"{', '.join(bad)} must be > 0")
     if a.urgent_dwell_s is not None and a.urgent_dwell_s < 0:
         p.error("--urgent-dwell-s must be >= 0")
+    if a.stabilize_s < 0:
+        p.error("--stabilize-s must be >= 0")
     if a.chunk_tokens is not None and a.chunk_tokens < 1:
         p.error("--chunk-tokens must be >= 1")
     if not 0 < a.goal <= 1:
@@ -143,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.validate:
         return _validate(a, model, cfg, slo)
     ctl = {"window_s": a.window_s, "horizon_s": a.horizon_s, "margin": a.margin,
-           "min_dwell_s": a.min_dwell_s, "urgent_dwell_s": a.urgent_dwell_s}
+           "min_dwell_s": a.min_dwell_s, "urgent_dwell_s": a.urgent_dwell_s,
+           "stable_s": a.stabilize_s}
     if a.goodput:
         return _goodput(a, model, cfg, slo, ctl)
     for n in a.instances:

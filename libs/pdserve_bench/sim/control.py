@@ -27,10 +27,12 @@ class TracePoint:
 class SimController:
     def __init__(self, model: CapacityModel, slo: Slo, cluster: Cluster, initial: Plan,
                  window_s: float = 30.0, horizon_s: float = 10.0, margin: float = 0.1,
-                 min_dwell_s: float = 30.0, urgent_dwell_s: float | None = None) -> None:
+                 min_dwell_s: float = 30.0, urgent_dwell_s: float | None = None,
+                 stable_s: float = 0.0) -> None:
         self.model, self.slo, self.cluster = model, slo, cluster
         self.window = WorkloadWindow(window_s)
-        self.policy = Policy(initial, margin, min_dwell_s, now=0.0, urgent_dwell_s=urgent_dwell_s)
+        self.policy = Policy(initial, margin, min_dwell_s, now=0.0, urgent_dwell_s=urgent_dwell_s,
+                             stable_s=stable_s)
         self.horizon_s = horizon_s
         self.trace: list[TracePoint] = []
 

@@ -36,7 +36,8 @@ from pdserve_bench.sim.evaluate import optimizer_cluster
 from pdserve_bench.sim.workload import SimRequest
 
 # The router's controller defaults (services/router/config.py), overridden by --router-arg.
-ROUTER_DEFAULTS = {"interval": 10.0, "window": 30.0, "dwell": 30.0, "margin": 0.1}
+ROUTER_DEFAULTS = {"interval": 10.0, "window": 30.0, "dwell": 30.0, "margin": 0.1,
+                   "stabilize": 0.0}
 
 
 class ValidationError(ValueError):
@@ -128,7 +129,7 @@ def simulate(run: dict[str, Any], arr: Arrangement, model: CapacityModel, cfg: S
     if arr.controller is not None:
         c = arr.controller
         ctl = SimController(model, slo, optimizer_cluster(len(roles), cfg), plan, c["window"],
-                            c["interval"], c["margin"], c["dwell"])
+                            c["interval"], c["margin"], c["dwell"], stable_s=c["stabilize"])
         tick = c["interval"]
     sim = Sim(model, cfg, roles, ctl.tick if ctl else None, tick,
               arr.cores if shared_cores else None)
