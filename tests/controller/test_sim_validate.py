@@ -48,8 +48,12 @@ def test_engines_pinned_to_one_core_share_it() -> None:
     alone = Sim(MODEL, CFG, ["colocated", "colocated"], cores=["0", "1"]).run(two, 10.0)
     assert [r.t_first for r in alone] == pytest.approx([0.110, 0.110])  # 10 ms + 100 tokens
     shared = Sim(MODEL, CFG, ["colocated", "colocated"], cores=["0", "0"]).run(two, 10.0)
-    # the first to start runs alone; the second starts while it is busy: twice as long
-    assert sorted(r.t_first for r in shared) == pytest.approx([0.110, 0.220])
+    assert [r.t_first for r in shared] == pytest.approx([0.220, 0.220])  # each at half speed
+    # B starts 50 ms into A's 110 ms: A has 60 ms left, done at half speed by 0.17 s; B has
+    # done 60 of its 110 ms by then, and finishes the last 50 alone at 0.22 s
+    staggered = [SimRequest(0, 0.0, 100, 1), SimRequest(1, 0.05, 100, 1)]
+    done = Sim(MODEL, CFG, ["colocated", "colocated"], cores=["0", "0"]).run(staggered, 10.0)
+    assert sorted(r.t_first for r in done) == pytest.approx([0.170, 0.220])
     with pytest.raises(ValueError, match="cores: 1 given for 2 instances"):
         Sim(MODEL, CFG, ["colocated", "colocated"], cores=["0"])
 

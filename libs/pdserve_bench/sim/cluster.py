@@ -21,8 +21,10 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 from pdserve.controller.capacity import CapacityModel
+from pdserve_bench.sim.sharing import CoreSharing
 from pdserve_bench.sim.workload import SimRequest
 
 ARRIVE, PREFILL_DONE, KV_DONE, STEP_DONE, SWITCH_DONE, TICK = range(6)
@@ -85,8 +87,8 @@ class Sim:
         self.insts = [Inst(i, r) for i, r in enumerate(roles)]
         if cores is not None and len(cores) != len(roles):
             raise ValueError(f"cores: {len(cores)} given for {len(roles)} instances")
-        # Per instance, the CPU set it is pinned to; those on one set share it (``_shared``).
-        self.cores = cores
+        # Instances pinned to one CPU set share it (``sharing.py``).
+        self.sharing = CoreSharing(cores) if cores is not None else None
         self.on_tick, self.tick_s = on_tick, tick_s
         self.on_arrival: Callable[[SimRequest], None] | None = None
         # When a list: (inter-token gap, sequences that saw it), for ``--validate``'s ITL.
@@ -211,13 +213,12 @@ class Sim:
             self._maybe_switch(inst)
             return
         inst.busy = True
-        self.push(self.now + self.m.prefill_time(tokens) * self._shared(inst), PREFILL_DONE,
-                  (inst, batch))
+        self._compute(inst, self.m.prefill_time(tokens), PREFILL_DONE, (inst, batch))
 
     def _prefill_done(self, obj: object) -> None:
-        inst: Inst
-        batch: list[Req]
-        inst, batch = obj  # type: ignore[misc]
+        (inst, batch), version = cast(tuple[tuple[Inst, list[Req]], int], obj)
+        if not self._computed(inst, version):
+            return
         for req in batch:
             req.t_first = self.now
             self.push(self.now + self.c.transfer_s(req.r.input_len), KV_DONE, req)
@@ -245,16 +246,31 @@ class Sim:
             return
         inst.busy, inst.step_t0 = True, self.now
         dur = self.m.step_time(len(inst.running)) + chunk / self.m.prefill_tokens_per_s
-        self.push(self.now + dur * self._shared(inst), STEP_DONE, inst)
+        self._compute(inst, dur, STEP_DONE, inst)
 
-    def _shared(self, inst: Inst) -> int:
-        """How many busy instances (``inst`` included) share ``inst``'s core: an operation
-        starting now runs that many times slower. An approximation of the OS's time sharing:
-        an operation already running keeps the duration it started with."""
-        if self.cores is None:
-            return 1
-        core = self.cores[inst.idx]
-        return sum(1 for o in self.insts if o.busy and self.cores[o.idx] == core) or 1
+    def _compute(self, inst: Inst, work: float, kind: int, payload: object) -> None:
+        """Schedule the end of ``inst``'s operation of ``work`` seconds at full speed (slower
+        while others share its CPU set; the end event carries ``(payload, version)``)."""
+        if self.sharing is None:
+            self.push(self.now + work, kind, (payload, -1))
+            return
+        self._schedule(self.sharing.start(self.now, inst.idx, work, (kind, payload)))
+
+    def _computed(self, inst: Inst, version: int) -> bool:
+        """At an operation's end event: False for a stale one (re-timed since)."""
+        if self.sharing is None:
+            return True
+        retimed = self.sharing.end(self.now, inst.idx, version)
+        if retimed is None:
+            return False
+        self._schedule(retimed)
+        return True
+
+    def _schedule(self, ends: list[tuple[float, int, object]]) -> None:
+        assert self.sharing is not None
+        for t, idx, pair in ends:
+            kind, payload = cast(tuple[int, object], pair)
+            self.push(t, kind, (payload, self.sharing.version(idx)))
 
     def _take_chunk(self, inst: Inst) -> int:
         """Colocated: the prompt tokens this step computes (while the batch has room)."""
@@ -272,8 +288,10 @@ class Sim:
         inst.queued_tokens -= taken
         return taken
 
-    def _step_done(self, inst: object) -> None:
-        assert isinstance(inst, Inst)
+    def _step_done(self, obj: object) -> None:
+        inst, version = cast(tuple[Inst, int], obj)
+        if not self._computed(inst, version):
+            return
         inst.k += 1
         if self.itl is not None:
             self._record_gaps(inst)

@@ -10,8 +10,8 @@ latency percentiles are printed beside the measured ones, with the relative erro
 
 Simulated ITL: each decode step's duration, once per sequence in the step; a request's first
 gap after its first token is the stall until its first decode step ends (KV transfer, queue).
-Engines pinned to one CPU set (``--prefill-cpus``/``--decode-cpus``) share it: an operation
-starting while k of them are busy takes k times as long (``--no-shared-cores`` turns this off).
+Engines pinned to one CPU set (``--prefill-cpus``/``--decode-cpus``) share it: while k of them
+compute, each runs at 1/k of its speed (``sharing.py``; ``--no-shared-cores`` turns it off).
 Not modelled: the gateway and router hops, tokenization, streaming, and the other processes on
 the cores (kvd, router, gateway; ``--time-scale`` stretches every modelled cost by one factor).
 ``--ttft-offset-ms`` adds a fixed latency to every simulated TTFT; each row's ``ttft gap p50``
