@@ -10,6 +10,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -103,16 +104,17 @@ def _streaming_decode(stack: ChaosStack) -> str:
     raise AssertionError("no decode engine is running the request")
 
 
-def test_a_decode_killed_mid_stream_fails_over_with_the_exact_text(
-        stack: ChaosStack, reference: str) -> None:
-    healthy(stack, ("decode-0", "decode-1"))
+def _stream_with_fault(stack: ChaosStack, fault: Callable[[str], object], timeout: float
+                       ) -> tuple[list[str], dict[str, object], list[tuple[str, object]]]:
+    """Stream the reference request; at the 20th text piece call ``fault`` on the decode
+    engine running it. The pieces, the usage, and [(engine, what fault returned)]."""
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     pieces: list[str] = []
     usage: dict[str, object] = {}
-    killed: list[tuple[str, int, int]] = []  # (engine, its pid, text pieces seen before)
-    started = threading.Event()
-    with httpx.stream("POST", f"{stack.base_url}/completions", json=body, timeout=120) as r:
+    faulted: list[tuple[str, object]] = []
+    with httpx.stream("POST", f"{stack.base_url}/completions", json=body,
+                      timeout=timeout) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -121,16 +123,23 @@ def test_a_decode_killed_mid_stream_fails_over_with_the_exact_text(
             assert "error" not in event, event
             pieces.extend(c["text"] for c in event["choices"])
             usage = event.get("usage") or usage
-            if len(pieces) == 20 and not started.is_set():
-                started.set()
+            if len(pieces) == 20 and not faulted:
                 name = _streaming_decode(stack)
-                killed.append((name, stack.kill(name), len(pieces)))
-    assert killed, "the answer ended before the kill"
-    assert len(pieces) > killed[0][2] + 10, "the kill landed after the answer was complete"
+                faulted.append((name, fault(name)))
+    assert faulted, "the answer ended before the fault"
+    return pieces, usage, faulted
+
+
+def test_a_decode_killed_mid_stream_fails_over_with_the_exact_text(
+        stack: ChaosStack, reference: str) -> None:
+    healthy(stack, ("decode-0", "decode-1"))
+    pieces, usage, killed = _stream_with_fault(stack, stack.kill, timeout=120)
+    assert len(pieces) > 20 + 10, "the kill landed after the answer was complete"
     assert "".join(pieces) == reference  # byte for byte: nothing lost, nothing twice
     assert usage["completion_tokens"] == MAX_TOKENS
     assert usage["failovers"] == 1
-    name, pid, _ = killed[0]
+    name, pid = killed[0]
+    assert isinstance(pid, int)
     stack.wait_restarted(name, pid)
     healthy(stack)
     assert_idle(stack)
@@ -193,30 +202,18 @@ def test_a_paused_process_resumes(stack: ChaosStack, name: str) -> None:
 def test_a_decode_paused_mid_stream_fails_over_with_the_exact_text(
         stack: ChaosStack, reference: str) -> None:
     healthy(stack, ("decode-0", "decode-1"))
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    pieces: list[str] = []
-    usage: dict[str, object] = {}
     paused: list[str] = []
+
+    def pause(name: str) -> None:
+        paused.append(name)
+        stack.signal(name, signal.SIGSTOP)
+
     start = time.monotonic()
     try:
-        with httpx.stream("POST", f"{stack.base_url}/completions", json=body,
-                          timeout=60) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                pieces.extend(c["text"] for c in event["choices"])
-                usage = event.get("usage") or usage
-                if len(pieces) == 20 and not paused:
-                    paused.append(_streaming_decode(stack))
-                    stack.signal(paused[0], signal.SIGSTOP)
+        pieces, usage, _ = _stream_with_fault(stack, pause, timeout=60)
     finally:
         for name in paused:
             stack.signal(name, signal.SIGCONT)
-    assert paused, "the answer ended before the pause"
     assert "".join(pieces) == reference  # the stall timeout, then on from the tokens sent
     assert usage["completion_tokens"] == MAX_TOKENS
     assert usage["failovers"] == 1
