@@ -11,9 +11,10 @@ import pytest
 from pdserve.controller.capacity import CapacityModel
 from pdserve.controller.optimizer import Plan, Slo
 from pdserve_bench.sim import cli
-from pdserve_bench.sim.cluster import Sim, SimConfig
+from pdserve_bench.sim.cluster import Sim
 from pdserve_bench.sim.control import apply
 from pdserve_bench.sim.evaluate import evaluate, grid, shifting
+from pdserve_bench.sim.state import SimConfig
 from pdserve_bench.sim.workload import Phase, SimRequest, generate
 
 # 1000 prompt tokens/s + 5 ms a batch; decode steps 10 ms + 1 ms per sequence

@@ -11,9 +11,9 @@ import pytest
 from pdserve.controller.capacity import CapacityModel
 from pdserve.controller.optimizer import Slo
 from pdserve_bench.sim import cli
-from pdserve_bench.sim.cluster import SimConfig
 from pdserve_bench.sim.evaluate import Result, shifting
 from pdserve_bench.sim.goodput import Search, evaluate_goodput, max_scale, mean_rate, passes
+from pdserve_bench.sim.state import SimConfig
 from pdserve_bench.sim.workload import Phase
 
 PHASES = [Phase("a", 10, 2.0, 100, 10), Phase("b", 10, 1.0, 100, 10)]

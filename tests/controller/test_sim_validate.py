@@ -11,7 +11,8 @@ import pytest
 from pdserve.controller.capacity import CapacityModel
 from pdserve.controller.optimizer import Plan, Slo
 from pdserve_bench.sim import cli
-from pdserve_bench.sim.cluster import Sim, SimConfig
+from pdserve_bench.sim.cluster import Sim
+from pdserve_bench.sim.state import SimConfig
 from pdserve_bench.sim.validate import Arrangement, arrangement, simulate
 from pdserve_bench.sim.workload import SimRequest
 

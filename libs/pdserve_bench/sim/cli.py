@@ -27,10 +27,10 @@ from pdserve.controller.capacity import (
 )
 from pdserve.controller.optimizer import Slo
 from pdserve_bench.sim import workload
-from pdserve_bench.sim.cluster import SimConfig
 from pdserve_bench.sim.control import TracePoint
 from pdserve_bench.sim.evaluate import Evaluation, evaluate, shifting
 from pdserve_bench.sim.goodput import Search, evaluate_goodput, format_goodput, scaled
+from pdserve_bench.sim.state import SimConfig
 from pdserve_bench.sim.validate import ValidationError, format_rows, validate
 
 DEFAULT_CALIBRATION = Path(CALIBRATION_FILE)

@@ -17,66 +17,16 @@ prefilled request to the decode instance with the smallest batch.
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import cast
 
 from pdserve.controller.capacity import CapacityModel
 from pdserve_bench.sim.sharing import CoreSharing
+from pdserve_bench.sim.state import Inst, Req, SimConfig
 from pdserve_bench.sim.workload import SimRequest
 
 ARRIVE, PREFILL_DONE, KV_DONE, STEP_DONE, SWITCH_DONE, TICK = range(6)
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    chunk_tokens: int = 2048  # prompt tokens per prefill batch / colocated step
-    block_size: int = 16
-    block_bytes: float = 1 << 20  # KV bytes of one block (all layers)
-    link_bytes_per_s: float = 1.25e9  # 10 Gbit/s
-    switch_s: float = 1.0  # a flex engine's role switch once drained
-
-    def transfer_s(self, input_len: int) -> float:
-        return math.ceil(input_len / self.block_size) * self.block_bytes / self.link_bytes_per_s
-
-
-@dataclass(slots=True)
-class Req:
-    r: SimRequest
-    t_first: float = -1.0
-    t_admit: float = -1.0  # joined a decode batch (after the KV transfer and any queue)
-    t_done: float = -1.0
-    prefill_left: int = 0
-
-
-@dataclass(slots=True)
-class Inst:
-    idx: int
-    role: str  # prefill | decode | colocated
-    target: str = ""  # the role it is draining towards ("" = none)
-    queue: deque[Req] = field(default_factory=deque)
-    queued_tokens: int = 0
-    batch_tokens: int = 0  # the prompt tokens of the batch (or colocated step) it computes
-    busy: bool = False
-    running: list[tuple[int, int, Req]] = field(default_factory=list)  # (finish step, rid, req)
-    waiting: deque[Req] = field(default_factory=deque)
-    k: int = 0
-    step_t0: float = 0.0  # when its current step began
-    noted: int = -1  # the load of its latest entry in the router's heap
-
-    @property
-    def accepting(self) -> bool:
-        return not self.target
-
-    @property
-    def idle(self) -> bool:
-        return not (self.busy or self.queue or self.running or self.waiting)
-
-    @property
-    def planned_role(self) -> str:
-        return self.target or self.role
 
 
 class Sim:
@@ -88,7 +38,7 @@ class Sim:
         if cores is not None and len(cores) != len(roles):
             raise ValueError(f"cores: {len(cores)} given for {len(roles)} instances")
         # Instances pinned to one CPU set share it (``sharing.py``).
-        self.sharing = CoreSharing(cores) if cores is not None else None
+        self.sharing = CoreSharing(cores, self.push) if cores is not None else None
         self.on_tick, self.tick_s = on_tick, tick_s
         self.on_arrival: Callable[[SimRequest], None] | None = None
         # When a list: (inter-token gap, sequences that saw it), for ``--validate``'s ITL.
@@ -253,24 +203,12 @@ class Sim:
         while others share its CPU set; the end event carries ``(payload, version)``)."""
         if self.sharing is None:
             self.push(self.now + work, kind, (payload, -1))
-            return
-        self._schedule(self.sharing.start(self.now, inst.idx, work, (kind, payload)))
+        else:
+            self.sharing.start(self.now, inst.idx, work, kind, payload)
 
     def _computed(self, inst: Inst, version: int) -> bool:
         """At an operation's end event: False for a stale one (re-timed since)."""
-        if self.sharing is None:
-            return True
-        retimed = self.sharing.end(self.now, inst.idx, version)
-        if retimed is None:
-            return False
-        self._schedule(retimed)
-        return True
-
-    def _schedule(self, ends: list[tuple[float, int, object]]) -> None:
-        assert self.sharing is not None
-        for t, idx, pair in ends:
-            kind, payload = cast(tuple[int, object], pair)
-            self.push(t, kind, (payload, self.sharing.version(idx)))
+        return self.sharing is None or self.sharing.end(self.now, inst.idx, version)
 
     def _take_chunk(self, inst: Inst) -> int:
         """Colocated: the prompt tokens this step computes (while the batch has room)."""

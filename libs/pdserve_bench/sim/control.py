@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 from pdserve.controller.capacity import CapacityModel
 from pdserve.controller.optimizer import Cluster, Plan, Policy, Slo
 from pdserve.controller.predictor import Arrival, WorkloadWindow
-from pdserve_bench.sim.cluster import Inst, Sim
+from pdserve_bench.sim.cluster import Sim
+from pdserve_bench.sim.state import Inst
 from pdserve_bench.sim.workload import SimRequest
 
 

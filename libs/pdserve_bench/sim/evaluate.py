@@ -22,8 +22,9 @@ import numpy as np
 from pdserve.controller.capacity import CapacityModel
 from pdserve.controller.optimizer import Cluster, Plan, Slo, best_plan
 from pdserve.controller.predictor import Load
-from pdserve_bench.sim.cluster import Req, Sim, SimConfig
+from pdserve_bench.sim.cluster import Sim
 from pdserve_bench.sim.control import SimController, TracePoint
+from pdserve_bench.sim.state import Req, SimConfig
 from pdserve_bench.sim.workload import MIXES, Phase, SimRequest
 
 

@@ -23,9 +23,9 @@ from typing import Any
 
 from pdserve.controller.capacity import CapacityModel
 from pdserve.controller.optimizer import Plan, Slo
-from pdserve_bench.sim.cluster import SimConfig
 from pdserve_bench.sim.control import SimController
 from pdserve_bench.sim.evaluate import Result, grid, optimizer_cluster, run
+from pdserve_bench.sim.state import SimConfig
 from pdserve_bench.sim.workload import Phase, generate
 
 Runner = Callable[[list[Phase]], Result]

@@ -10,8 +10,10 @@ event carries the version it was scheduled with, and an older one is stale.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+
+Push = Callable[[float, int, object], None]  # Sim.push(time, kind, obj)
 
 
 @dataclass(slots=True)
@@ -20,12 +22,16 @@ class Op:
     since: float  # when ``work`` was last charged
     share: int  # operations on the set since then (this one included)
     version: int
-    payload: object  # what the end event carries
+    kind: int  # the end event's kind and what it carries (with the version)
+    payload: object
 
 
 class CoreSharing:
-    def __init__(self, cores: list[str]) -> None:
-        self.cores = cores
+    """Schedules the end events of operations on shared CPU sets through ``push``; each carries
+    ``(payload, version)``."""
+
+    def __init__(self, cores: list[str], push: Push) -> None:
+        self.cores, self.push = cores, push
         self.ops: dict[int, Op] = {}  # by instance index
         self.versions = [0] * len(cores)
 
@@ -40,32 +46,29 @@ class CoreSharing:
             op.since = now
         return on_set
 
-    def _retime(self, now: float, on_set: list[int]) -> Iterator[tuple[float, int, object]]:
+    def _retime(self, now: float, on_set: list[int]) -> None:
         for i in on_set:
             op = self.ops[i]
             op.share = len(on_set)
             self.versions[i] += 1
             op.version = self.versions[i]
-            yield now + op.work * op.share, i, op.payload
+            self.push(now + op.work * op.share, op.kind, (op.payload, op.version))
 
-    def start(self, now: float, idx: int, work: float, payload: object
-              ) -> list[tuple[float, int, object]]:
-        """Instance ``idx`` starts ``work`` seconds of computing: (end time, instance, payload)
-        for every operation on its set, to be scheduled (the new one included)."""
+    def start(self, now: float, idx: int, work: float, kind: int, payload: object) -> None:
+        """Instance ``idx`` starts ``work`` seconds of computing; every operation on its set is
+        re-timed (the new one included)."""
         on_set = self._charge(now, idx)
-        self.ops[idx] = Op(work, now, 1, 0, payload)
-        return list(self._retime(now, [*on_set, idx]))
+        self.ops[idx] = Op(work, now, 1, 0, kind, payload)
+        self._retime(now, [*on_set, idx])
 
-    def end(self, now: float, idx: int, version: int) -> list[tuple[float, int, object]] | None:
-        """The end event of ``idx``'s operation: None when it is stale (re-timed since); else
-        its operation is over and the others on its set are re-timed (returned)."""
+    def end(self, now: float, idx: int, version: int) -> bool:
+        """At an end event of ``idx``'s operation: False when it is stale (re-timed since);
+        else the operation is over and the others on its set are re-timed."""
         op = self.ops.get(idx)
         if op is None or op.version != version:
-            return None
+            return False
         on_set = self._charge(now, idx)
         del self.ops[idx]
         on_set.remove(idx)
-        return list(self._retime(now, on_set))
-
-    def version(self, idx: int) -> int:
-        return self.versions[idx]
+        self._retime(now, on_set)
+        return True

@@ -30,9 +30,10 @@ import numpy as np
 
 from pdserve.controller.capacity import CapacityModel
 from pdserve.controller.optimizer import Plan, Slo
-from pdserve_bench.sim.cluster import Sim, SimConfig
+from pdserve_bench.sim.cluster import Sim
 from pdserve_bench.sim.control import SimController
 from pdserve_bench.sim.evaluate import optimizer_cluster
+from pdserve_bench.sim.state import SimConfig
 from pdserve_bench.sim.workload import SimRequest
 
 # The router's controller defaults (services/router/config.py), overridden by --router-arg.
