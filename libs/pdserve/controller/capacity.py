@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -56,10 +57,19 @@ class CapacityModel:
         return self.prefill_overhead_s + num_tokens / self.prefill_tokens_per_s
 
     def step_time(self, batch: float) -> float:
+        if isinstance(batch, int) and 0 <= batch <= self.max_batch:
+            return self._steps[batch]  # the simulator asks millions of times
+        return self._step_time(batch)
+
+    def _step_time(self, batch: float) -> float:
         pts = self.decode_points
         if len(pts) >= 2 and pts[0][0] <= batch <= pts[-1][0]:
             return float(np.interp(batch, [b for b, _ in pts], [t for _, t in pts]))
         return self.decode_base_s + self.decode_per_seq_s * batch
+
+    @cached_property
+    def _steps(self) -> tuple[float, ...]:
+        return tuple(self._step_time(b) for b in range(self.max_batch + 1))
 
 
 def fit_line(points: Sequence[tuple[float, float]], what: str) -> tuple[float, float]:
