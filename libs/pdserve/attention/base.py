@@ -28,6 +28,8 @@ class AttentionMetadata:
     kv_lens:        [num_seqs] int32, context length after this step (cached + new tokens).
     slot_mapping:   [T] int64, flat slot (page * page_size + offset) for each new token.
     is_decode_only: every sequence has exactly one new token (decode kernels may be used).
+    seq_ids:        the sequences' request ids, when the caller knows them: a backend may keep
+                    per-sequence state across steps (the torch backend's decode mirror).
     """
 
     qo_indptr: torch.Tensor
@@ -35,6 +37,7 @@ class AttentionMetadata:
     kv_lens: torch.Tensor
     slot_mapping: torch.Tensor
     is_decode_only: bool
+    seq_ids: list[str] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -16,7 +16,9 @@ one SDPA, with no Python loop over sequences or tokens. In the decode group (one
 sequence) the query heads sharing a KV head are passed as that head's queries,
 ``[B, kv_heads, heads / kv_heads, D]``, so SDPA reads the gathered K/V once instead of a copy
 per query head (``enable_gqa``); docs/benchmarks.md has the numbers and the gather-free
-variants that measured slower.
+variants that measured slower. A decode batch that continues the last step's (the caller
+passes request ids) attends over a dense copy of its K/V instead of gathering
+(``decode_mirror.py``): one new row per sequence per layer is written to it.
 
 A quantized cache (fp8/int8, ``kv_quant.py``) has a second row array of scales
 ``[pages * 2 * page_size, kv_heads]``: the store quantizes each new token's heads and writes
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.attention.decode_mirror import MAX_BYTES, DecodeMirror
 from pdserve.attention.kv_quant import BY_STORAGE_NAME, KVQuant
 
 
@@ -69,20 +72,27 @@ class _GroupPlan:
             mask[:, :, 0] = True  # padded query rows must see some key, or SDPA yields NaN
             self.mask = mask[:, None]
 
-    def attend(self, q: torch.Tensor, rows: torch.Tensor, num_kv_heads: int,
-               scale: float | None, scale_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """q: the step's [T, H, D]; returns [tokens of this group, H, D] in token order."""
-        num_seqs, max_q, max_kv = self.shape
-        num_heads, head_dim = q.shape[1], q.shape[2]
+    def gather(self, rows: torch.Tensor, num_kv_heads: int, dtype: torch.dtype,
+               scale_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """K and V of every sequence of the group: [2, B, max_kv, kv_heads * head_dim]."""
+        num_seqs, _, max_kv = self.shape
         if scale_rows is None:
-            kv = rows.index_select(0, self.gather_rows).to(q.dtype)
+            kv = rows.index_select(0, self.gather_rows).to(dtype)
         else:
             vals = rows.view(torch.uint8).index_select(0, self.gather_rows).view(rows.dtype)
-            kv = KVQuant.dequantize(vals.view(-1, num_kv_heads, head_dim),
+            kv = KVQuant.dequantize(vals.view(-1, num_kv_heads, rows.shape[1] // num_kv_heads),
                                     scale_rows.index_select(0, self.gather_rows).view(-1,
                                                                                   num_kv_heads),
-                                    q.dtype)
-        kv = kv.view(2, num_seqs, max_kv, num_kv_heads, head_dim).transpose(2, 3)
+                                    dtype)
+        return kv.view(2, num_seqs, max_kv, -1)
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, num_kv_heads: int,
+               scale: float | None) -> torch.Tensor:
+        """q: the step's [T, H, D]; kv: ``gather``'s layout (or a view of the same shape);
+        returns [tokens of this group, H, D] in token order."""
+        num_seqs, max_q, max_kv = self.shape
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        kv = kv.to(q.dtype).view(2, num_seqs, max_kv, num_kv_heads, head_dim).transpose(2, 3)
         qp = q if self.is_whole_step else q.index_select(0, self.q_index.flatten())
         if max_q == 1:
             # Decode: the query heads sharing a KV head are that head's queries, so SDPA
@@ -115,6 +125,11 @@ class TorchBackend(AttentionBackend):
         self.scale = scale
         self.device = kv_caches[0].device
         self.groups: list[_GroupPlan] = []
+        row_bytes = self.num_kv_heads * self.head_dim * kv_caches[0].element_size()
+        # CPU only, unquantized: decode_mirror.py says why.
+        self.mirror = DecodeMirror(len(kv_caches), row_bytes,
+                                   MAX_BYTES if self.device.type == "cpu" and not self.quant
+                                   else 0)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         ps, dev = self.page_size, self.device
@@ -129,6 +144,12 @@ class TorchBackend(AttentionBackend):
             for seqs in (is_decode.nonzero().squeeze(1), (~is_decode).nonzero().squeeze(1))
             if len(seqs)
         ]
+        if (metadata.seq_ids is not None and len(self.groups) == 1
+                and self.groups[0].shape[1] == 1):
+            self.mirror.plan(metadata.seq_ids, metadata.page_table, metadata.kv_lens.tolist(),
+                             dev)
+        else:
+            self.mirror.clear()
 
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -137,17 +158,27 @@ class TorchBackend(AttentionBackend):
         scale_rows = None
         if self.kv_scales is None:
             num_tokens = q.shape[0]
-            rows.index_copy_(0, self.store_k, k.reshape(num_tokens, -1).to(rows.dtype))
-            rows.index_copy_(0, self.store_v, v.reshape(num_tokens, -1).to(rows.dtype))
+            k_rows = k.reshape(num_tokens, -1).to(rows.dtype)
+            v_rows = v.reshape(num_tokens, -1).to(rows.dtype)
+            rows.index_copy_(0, self.store_k, k_rows)
+            rows.index_copy_(0, self.store_v, v_rows)
+            if self.mirror.mode is not None:  # a decode batch: attend over its dense copy
+                plan = self.groups[0]
+                gather = None if self.mirror.mode == "append" else plan.gather(
+                    rows, self.num_kv_heads, rows.dtype)
+                kv = self.mirror.update(layer_id, k_rows, v_rows, gather)
+                return plan.attend(q, kv, self.num_kv_heads, self.scale)
         else:
             scale_rows = self.kv_scales[layer_id].view(-1, self.num_kv_heads)
             self._store_quantized(rows, scale_rows, k, v)
         if len(self.groups) == 1:  # one group holds every token, in order
-            return self.groups[0].attend(q, rows, self.num_kv_heads, self.scale, scale_rows)
+            plan = self.groups[0]
+            kv = plan.gather(rows, self.num_kv_heads, q.dtype, scale_rows)
+            return plan.attend(q, kv, self.num_kv_heads, self.scale)
         out = torch.empty_like(q)
         for plan in self.groups:
-            out[plan.token_index] = plan.attend(q, rows, self.num_kv_heads, self.scale,
-                                                scale_rows)
+            kv = plan.gather(rows, self.num_kv_heads, q.dtype, scale_rows)
+            out[plan.token_index] = plan.attend(q, kv, self.num_kv_heads, self.scale)
         return out
 
     def _store_quantized(self, rows: torch.Tensor, scale_rows: torch.Tensor, k: torch.Tensor,

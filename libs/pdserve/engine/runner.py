@@ -57,6 +57,7 @@ class ModelRunner:
             kv_lens=(torch.tensor(starts) + q_lens).to(torch.int32),
             slot_mapping=slots,
             is_decode_only=batch.is_decode_only,
+            seq_ids=[req.request_id for req in batch.reqs],
         )
         return (torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True),
                 positions.to(self.device, non_blocking=True), metadata)
