@@ -74,7 +74,7 @@ async def watched(pending: Awaitable[T], inst: Instance, limits: StallLimits, fi
     watch = _Watch(inst, limits, cancel, limits.first if first else limits.between)
     try:
         return await pending
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, grpc.RpcError):  # a cancelled call may end either way
         task = asyncio.current_task()
         if watch.stalled is None or (task is not None and task.cancelling()):
             raise
