@@ -7,6 +7,7 @@ Each service's ``__main__`` does: flags -> config -> ``create_server(config)`` -
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import signal
 import sys
@@ -177,7 +178,9 @@ def run_main(config_cls: type[C], run: Callable[[C], Coroutine[Any, Any, None]],
 
 
 def run_grpc_main(config_cls: type[G], create: Callable[[G], Awaitable[Service]],
-                  argv: list[str] | None) -> int:
+                  argv: list[str] | None,
+                  loop_factory: Callable[[G], Callable[[], asyncio.AbstractEventLoop] | None]
+                  = lambda config: None) -> int:
     """``run_main`` for a gRPC service: ``create(config)`` builds it, ``serve`` runs it."""
 
     async def run(config: G) -> None:
@@ -185,7 +188,20 @@ def run_grpc_main(config_cls: type[G], create: Callable[[G], Awaitable[Service]]
         await serve(config.SERVICE, config.host, svc,
                     metrics_port=metrics_port(config.metrics_port, config.port))
 
-    return run_main(config_cls, run, argv)
+    return run_main(config_cls, run, argv, loop_factory)
+
+
+LOOPS = ("auto", "asyncio", "uvloop")
+
+
+def event_loop(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """A ``--loop`` choice (``LOOPS``) resolved: uvloop's loop, or None for asyncio's own
+    (``auto``: uvloop when installed, ``pip install 'pdserve[fast]'``)."""
+    if choice == "asyncio" or (choice == "auto" and not importlib.util.find_spec("uvloop")):
+        return None
+    import uvloop
+
+    return uvloop.new_event_loop
 
 
 def _profiled(name: str, fn: Callable[[], None]) -> None:

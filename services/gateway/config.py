@@ -22,6 +22,7 @@ from pdserve.env import (
     port_setting,
     setting,
 )
+from pdserve.server import LOOPS
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class GatewayConfig(ServiceConfig):
     http: str = setting("auto", choice_kind("auto", "h11", "httptools"),
                         "HTTP/1.1 parser; auto = httptools when installed (pdserve[fast]), "
                         "else h11")
-    loop: str = setting("auto", choice_kind("auto", "asyncio", "uvloop"),
+    loop: str = setting("auto", choice_kind(*LOOPS),
                         "event loop; auto = uvloop when installed (pdserve[fast]), else asyncio")
     keys_file: str = setting("", STR, "API keys file (one 'key[,tenant[,cache_group]]' a "
                              "line); none = no auth, allowed on a loopback address only")

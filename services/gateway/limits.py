@@ -104,7 +104,8 @@ async def read_body(request: Request, limit: int, idle_timeout: float) -> bytes:
     stream = request.stream().__aiter__()
     while True:
         try:
-            chunk = await asyncio.wait_for(stream.__anext__(), idle_timeout)
+            async with asyncio.timeout(idle_timeout):  # in this task: no task per chunk
+                chunk = await anext(stream)
         except StopAsyncIteration:
             break
         except TimeoutError:

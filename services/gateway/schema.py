@@ -199,10 +199,13 @@ class CompletionRequest(_Common):
         if isinstance(value, list):
             if not value:
                 raise ValueError("must not be an empty list")
-            ids = [t for p in value if isinstance(p, list) for t in p]
-            if any(isinstance(p, list) and not p for p in value):
-                raise ValueError("token id lists must not be empty")
-            if any(isinstance(t, int) and not 0 <= t <= UINT32_MAX for t in [*value, *ids]):
+            # One member of the union: the list is all ints, all strings or all lists.
+            ids: list[int] = value if isinstance(value[0], int) else []
+            if isinstance(value[0], list):
+                if not all(value):
+                    raise ValueError("token id lists must not be empty")
+                ids = [t for p in value for t in p]
+            if ids and (min(ids) < 0 or max(ids) > UINT32_MAX):
                 raise ValueError("token ids must be in 0..2^32-1")
         return value
 
@@ -237,7 +240,7 @@ class CompletionRequest(_Common):
         p: Any = self.prompt
         if isinstance(p, str):
             return [{"prompt": p}]
-        if all(isinstance(x, int) for x in p):
+        if isinstance(p[0], int):  # a list of token ids (the lists are of one kind)
             return [{"prompt_token_ids": common_pb2.TokenIds(ids=p)}]
         return [{"prompt": x} if isinstance(x, str) else
                 {"prompt_token_ids": common_pb2.TokenIds(ids=x)} for x in p]

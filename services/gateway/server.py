@@ -21,7 +21,7 @@ import uvicorn
 
 from pdserve import auth, env
 from pdserve.log import fields
-from pdserve.server import Service, make_server
+from pdserve.server import Service, event_loop, make_server
 from services.gateway.app import FastPath, create_app
 from services.gateway.auth import CacheSalter, KeyStore
 from services.gateway.config import GatewayConfig
@@ -64,12 +64,7 @@ def http_parser(config: GatewayConfig) -> str:
 
 def loop_factory(config: GatewayConfig) -> Callable[[], asyncio.AbstractEventLoop] | None:
     """``--loop``, auto resolved: uvloop's loop when installed, else asyncio's (None)."""
-    if config.loop == "asyncio" or (config.loop == "auto"
-                                    and not importlib.util.find_spec("uvloop")):
-        return None
-    import uvloop
-
-    return uvloop.new_event_loop
+    return event_loop(config.loop)
 
 
 def router_api(config: GatewayConfig) -> RouterApi:

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from pdserve import auth
-from pdserve.server import Service, make_server, run_grpc_main
+from pdserve.server import Service, event_loop, make_server, run_grpc_main
 from services.router.admission import AdmissionQueue
 from services.router.config import RouterConfig
 from services.router.controlling import calibrated_model, maybe_controller
@@ -96,7 +96,7 @@ def lifecycle(router: Router) -> tuple[list[Hook], list[Hook]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_grpc_main(RouterConfig, create_server, argv)
+    return run_grpc_main(RouterConfig, create_server, argv, lambda c: event_loop(c.loop))
 
 
 if __name__ == "__main__":

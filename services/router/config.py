@@ -21,7 +21,7 @@ from pdserve.env import (
     redis_url_setting,
     setting,
 )
-from pdserve.server import GrpcServiceConfig
+from pdserve.server import LOOPS, GrpcServiceConfig
 from pdserve.tool_calls import PARSERS
 from services.router.policy import POLICIES
 from services.router.quotas import load_quotas
@@ -43,6 +43,9 @@ class RouterConfig(GrpcServiceConfig):
         "auto", choice_kind("auto", *PARSERS),
         "the model family's tool-call format (auto: read from the chat template)")
     policy: str = setting("cache_aware", choice_kind(*POLICIES), "routing policy")
+    loop: str = setting("auto", choice_kind(*LOOPS), "event loop of the standalone router; "
+                        "auto = uvloop when installed (pdserve[fast]), else asyncio (embedded "
+                        "in a gateway: the gateway's --loop)")
     prefill: tuple[str, ...] = setting(
         (), ADDRESSES, "static prefill instances host:port (besides the registry)")
     decode: tuple[str, ...] = setting((), ADDRESSES,

@@ -66,20 +66,52 @@ async def answers(inst: Instance, timeout: float) -> bool:
 async def watched(pending: Awaitable[T], inst: Instance, limits: StallLimits, first: bool,
                   cancel: Callable[[], object], phase: str) -> T:
     """``pending``'s result, probing ``inst`` each time it takes longer than the limit;
-    ``cancel`` (the call's) and ``Stalled`` when the engine does not answer the probe."""
-    task = asyncio.ensure_future(pending)
-    limit, waited = (limits.first if first else limits.between), 0.0
+    ``cancel`` (the call's) and ``Stalled`` when the engine does not answer the probe.
+
+    ``pending`` is awaited in the caller's task (a timer watches it, no task per read); a
+    stalled call is cancelled, which ends that await with CancelledError, raised here as
+    ``Stalled`` unless the caller itself is being cancelled."""
+    watch = _Watch(inst, limits, cancel, limits.first if first else limits.between)
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=limit)
-            if done:
-                return task.result()
-            waited += limit
-            if not await answers(inst, limits.probe) and not task.done():
-                STALLS.labels(phase).inc()
-                cancel()
-                raise Stalled(inst, waited, limits.probe)
-            limit = limits.between
+        return await pending
+    except (asyncio.CancelledError, grpc.RpcError):  # a cancelled call may end either way
+        task = asyncio.current_task()
+        if watch.stalled is None or (task is not None and task.cancelling()):
+            raise
+        STALLS.labels(phase).inc()
+        raise watch.stalled from None
     finally:
-        if not task.done():  # the caller was cancelled (or the call stalled)
-            task.cancel()
+        watch.stop()
+
+
+class _Watch:
+    """The timer of one ``watched`` call: at each limit a health probe (a task, only then);
+    an engine that does not answer it has its call cancelled."""
+
+    def __init__(self, inst: Instance, limits: StallLimits, cancel: Callable[[], object],
+                 limit: float) -> None:
+        self.inst, self.limits, self.cancel, self.limit = inst, limits, cancel, limit
+        self.waited = 0.0
+        self.stalled: Stalled | None = None
+        self.loop = asyncio.get_running_loop()
+        self.timer: asyncio.TimerHandle | None = self.loop.call_later(limit, self._fire)
+        self.probe: asyncio.Task[None] | None = None
+
+    def _fire(self) -> None:
+        self.timer = None
+        self.waited += self.limit
+        self.probe = self.loop.create_task(self._probe())
+
+    async def _probe(self) -> None:
+        if await answers(self.inst, self.limits.probe):
+            self.limit = self.limits.between
+            self.timer = self.loop.call_later(self.limit, self._fire)
+            return
+        self.stalled = Stalled(self.inst, self.waited, self.limits.probe)
+        self.cancel()
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.probe is not None and not self.probe.done():
+            self.probe.cancel()

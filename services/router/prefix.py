@@ -44,7 +44,8 @@ class IndexClient:
         if not hashes:
             return {}
         try:
-            return await asyncio.wait_for(self.index.lookup(hashes), self.timeout)
+            async with asyncio.timeout(self.timeout):  # in this task: no task per lookup
+                return await self.index.lookup(hashes)
         except (IndexUnavailable, RedisError, OSError, TimeoutError) as exc:
             self._set_available(False, exc)
             return None

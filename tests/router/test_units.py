@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.server import event_loop
 from services.router.config import RouterConfig
 from services.router.model import load_model_spec
 from services.router.quotas import QuotaBook, QuotaExceeded, TenantQuota, load_quotas
@@ -85,6 +86,7 @@ def test_quotas_file_roundtrip(tmp_path: Path) -> None:
     ({"prefill": (), "decode": ()}, "no instances"),
     ({"quotas_file": "/nonexistent/q.json"}, "--quotas-file: cannot read"),
     ({"model": ""}, "--model"),
+    ({"loop": "trio"}, r"--loop: invalid value .trio. \(accepted: auto, asyncio, uvloop\)"),
 ])
 def test_config_errors_name_the_flag(kwargs: dict, needle: str) -> None:
     base = {"prefill": ("127.0.0.1:1",), "decode": ("127.0.0.1:2",)}
@@ -97,6 +99,13 @@ def test_flags_and_env_build_the_config() -> None:
                                   "--policy", "round_robin", "--index-timeout", "0.01"])
     assert (cfg.prefill, cfg.decode, cfg.policy, cfg.index_timeout) == (
         ("a:1", "b:2"), ("c:3",), "round_robin", 0.01)
+
+
+def test_the_loop_flag_picks_the_event_loop() -> None:
+    uvloop = pytest.importorskip("uvloop")  # pdserve[fast]
+    assert event_loop("asyncio") is None
+    assert event_loop("uvloop") is event_loop("auto") is uvloop.new_event_loop
+    assert RouterConfig.from_argv(["--decode", "c:3", "--loop", "asyncio"]).loop == "asyncio"
 
 
 def test_model_spec_matches_the_engines_fingerprint(tmp_path: Path) -> None:
