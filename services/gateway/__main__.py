@@ -7,10 +7,10 @@ import logging
 import signal
 import sys
 
-from pdserve.server import run_main
+from pdserve.server import event_loop, run_main
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewayConfig
-from services.gateway.server import GatewayServer, loop_factory
+from services.gateway.server import GatewayServer
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ async def serve(config: GatewayConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(GatewayConfig, serve, argv, loop_factory)
+    return run_main(GatewayConfig, serve, argv, lambda c: event_loop(c.loop))
 
 
 if __name__ == "__main__":

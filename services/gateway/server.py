@@ -15,13 +15,13 @@ import contextlib
 import importlib.util
 import logging
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import uvicorn
 
 from pdserve import auth, env
 from pdserve.log import fields
-from pdserve.server import Service, event_loop, make_server
+from pdserve.server import Service, make_server
 from services.gateway.app import FastPath, create_app
 from services.gateway.auth import CacheSalter, KeyStore
 from services.gateway.config import GatewayConfig
@@ -60,11 +60,6 @@ def http_parser(config: GatewayConfig) -> str:
     if config.http != "auto":
         return config.http
     return "httptools" if importlib.util.find_spec("httptools") else "h11"
-
-
-def loop_factory(config: GatewayConfig) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """``--loop``, auto resolved: uvloop's loop when installed, else asyncio's (None)."""
-    return event_loop(config.loop)
 
 
 def router_api(config: GatewayConfig) -> RouterApi:

@@ -58,6 +58,11 @@ async def write(c: KvdClient, n: int) -> tuple[list[Pin], list[bytes], list[int]
     return pins, hashes, [block_checksum(c.slot_memory(p.slot)) for p in pins]
 
 
+def entries(pins: list[Pin], hashes: list[bytes], sums: list[int]) -> list[CommitEntry]:
+    """A Commit's entries: each written slot with its hash and the writer's checksum."""
+    return [CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums, strict=True)]
+
+
 def refs(hashes: list[bytes], sums: list[int]) -> list[common_pb2.BlockRef]:
     return [common_pb2.BlockRef(hash=h, checksum=s) for h, s in zip(hashes, sums, strict=True)]
 

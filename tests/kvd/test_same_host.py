@@ -16,7 +16,6 @@ import pytest
 
 from pdserve.hashing import block_checksum
 from pdserve.kvd import layout as L
-from pdserve.kvd.client import CommitEntry
 from services.kvd import segments
 from services.kvd.config import KvdConfig
 from services.kvd.samehost import (
@@ -33,6 +32,7 @@ from tests.kvd.test_kvd_processes import (
     bytes_of,
     client,
     endpoint,
+    entries,
     eventually,
     refs,
     start,
@@ -48,8 +48,7 @@ async def test_a_push_on_one_host_is_copied_from_the_peers_pool_bit_exact(
     for dest, cdest in ((b, cb), (ucx, cu)):
         pins, hashes, sums = await write(ca, 9)
         want = bytes_of(ca, pins)
-        r = await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums,
-                                                                     strict=True)],
+        r = await ca.commit(entries(pins, hashes, sums),
                             destination=endpoint(dest))
         assert (r.num_pushed, r.push_started) == (9, True)
         got = await cdest.await_blocks(refs(hashes, sums), timeout=10)
@@ -71,7 +70,7 @@ async def test_a_corrupted_same_host_copy_is_detected_and_copied_again(
     ca, cb = await client(a), await client(b)
     pins, hashes, sums = await write(ca, 7)  # copy 5 is corrupted here; its second copy is 8
     want = bytes_of(ca, pins)
-    await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums, strict=True)],
+    await ca.commit(entries(pins, hashes, sums),
                     destination=endpoint(b))
     assert await cb.lookup(hashes) == 7  # all taken before Commit returned
     got = await cb.await_blocks(refs(hashes, sums), timeout=10)
@@ -92,8 +91,7 @@ async def test_a_same_host_copy_corrupted_twice_is_never_served_and_is_pulled_ag
     ca, cb = await client(a), await client(b)
     pins, hashes, sums = await write(ca, 3)
     want = bytes_of(ca, pins)
-    r = await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums,
-                                                                 strict=True)],
+    r = await ca.commit(entries(pins, hashes, sums),
                         destination=endpoint(b))
     assert (r.num_pushed, r.push_started) == (3, True)
     stats = await cb.stats()
@@ -114,8 +112,7 @@ async def test_a_writers_wrong_checksum_fails_a_same_host_commit_and_is_served_n
     pins, hashes, sums = await write(ca, 3)
     sums[2] ^= 1
     with pytest.raises(grpc.RpcError) as err:
-        await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums,
-                                                                 strict=True)],
+        await ca.commit(entries(pins, hashes, sums),
                         destination=endpoint(b))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (err.value.details() or "").startswith(
@@ -136,7 +133,7 @@ async def test_blocks_the_receiver_already_holds_are_checked_by_the_sender(
     a, b = start(kvd_factory, redis_url), start(kvd_factory, redis_url)
     ca, cb = await client(a), await client(b)
     pins, hashes, sums = await write(ca, 2)
-    await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums, strict=True)],
+    await ca.commit(entries(pins, hashes, sums),
                     destination=endpoint(b))
     assert await cb.lookup(hashes) == 2
     # the same hashes and checksums again, on fresh slots whose bytes are not those blocks
@@ -144,8 +141,7 @@ async def test_blocks_the_receiver_already_holds_are_checked_by_the_sender(
     for p in again:
         ca.slot_view(p.slot).fill_(1.0)
     with pytest.raises(grpc.RpcError) as err:
-        await ca.commit([CommitEntry(p, h, s) for p, h, s in zip(again, hashes, sums,
-                                                                 strict=True)],
+        await ca.commit(entries(again, hashes, sums),
                         destination=endpoint(b))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (err.value.details() or "").startswith("entries[0].checksum: does not match")
@@ -161,7 +157,7 @@ async def test_a_peer_killed_during_a_same_host_read_fails_closed_and_leaks_noth
     ca, cb = await client(a), await client(b)
     pins, hashes, sums = await write(ca, 5)
     commit = asyncio.ensure_future(ca.commit(
-        [CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums, strict=True)],
+        entries(pins, hashes, sums),
         destination=endpoint(b)))
 
     async def copied() -> bool:  # the copy is done; b waits before checking a is alive
@@ -181,7 +177,7 @@ async def test_a_peer_killed_during_a_same_host_read_fails_closed_and_leaks_noth
     assert (stats.slots_in_flight, stats.slots_pinned, stats.slots_present) == (0, 0, 0)
     assert stats.num_errors == 1 and await cb.lookup(hashes) == 0
     pins, hashes, sums = await write(cb, 2)  # b serves on
-    await cb.commit([CommitEntry(p, h, s) for p, h, s in zip(pins, hashes, sums, strict=True)])
+    await cb.commit(entries(pins, hashes, sums))
     assert await cb.lookup(hashes) == 2
     await ca.close()
     await cb.close()

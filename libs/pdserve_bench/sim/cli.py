@@ -156,16 +156,22 @@ def main(argv: list[str] | None = None) -> int:
         phases = shifting(model, slo, n, cfg, a.phase_s, a.load)
         requests = workload.generate(phases, a.seed, a.burst_cv)
         e = evaluate(n, phases, requests, model, cfg, slo, ctl, a.grid_steps, a.interval_s)
-        if a.json:
-            print(json.dumps(e.to_json()))
-        else:
-            print(f"{n} instances, {len(requests)} requests, phases "
-                  + ", ".join(f"{p.name} {p.rate:.1f}/s" for p in phases)
-                  + f"; SLO TTFT {a.ttft_slo}s TPOT {a.tpot_slo}s; goodput req/s")
-            print(format_table(e, [p.name for p in phases]))
+        _print(a, e.to_json(), f"{n} instances, {len(requests)} requests, phases", phases,
+               "; goodput req/s", format_table(e, [p.name for p in phases]))
         _plot(a, n, e.by_name("controller").trace, e.phases,
               f"P:D controller, {n} instances (simulated)")
     return 0
+
+
+def _print(a: argparse.Namespace, doc: dict[str, Any], head: str,
+           phases: list[workload.Phase], tail: str, table: str) -> None:
+    """One cluster size's result: JSON with ``--json``, else a heading line and the table."""
+    if a.json:
+        print(json.dumps(doc))
+        return
+    print(f"{head} " + ", ".join(f"{p.name} {p.rate:.1f}/s" for p in phases)
+          + f"; SLO TTFT {a.ttft_slo}s TPOT {a.tpot_slo}s{tail}")
+    print(table)
 
 
 def _plot(a: argparse.Namespace, n: int, trace: list[TracePoint], phases: list[workload.Phase],
@@ -187,13 +193,8 @@ def _goodput(a: argparse.Namespace, model: CapacityModel, cfg: SimConfig, slo: S
         phases = shifting(model, slo, n, cfg, a.phase_s, 1.0)
         e = evaluate_goodput(n, phases, model, cfg, slo, ctl, search, a.seed, a.burst_cv,
                              a.grid_steps, a.interval_s, a.hindsight)
-        if a.json:
-            print(json.dumps(e.to_json()))
-        else:
-            print(f"{n} instances; phases at scale 1 "
-                  + ", ".join(f"{p.name} {p.rate:.1f}/s" for p in phases)
-                  + f"; SLO TTFT {a.ttft_slo}s TPOT {a.tpot_slo}s")
-            print(format_goodput(e))
+        _print(a, e.to_json(), f"{n} instances; phases at scale 1", phases, "",
+               format_goodput(e))
         top = e.by_name("controller")
         if top.result is not None:
             _plot(a, n, top.result.trace, scaled(phases, top.scale),
