@@ -13,7 +13,7 @@ from pdserve.server import Service, make_server, run_grpc_main
 from services.kvd.config import KvdConfig
 from services.kvd.daemon import Kvd
 from services.kvd.servicer import KvdCollector, KvdServicer, servicers
-from services.kvd.transfer import net_device_for
+from services.kvd.ucx_net import net_device_for
 
 
 async def create_server(config: KvdConfig) -> Service:
