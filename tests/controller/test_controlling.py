@@ -129,8 +129,10 @@ def test_up_controller_starts_flex_engines_and_passes_the_flags() -> None:
 
 
 def test_up_in_place_controller_refuses_colocated_engines() -> None:
-    with pytest.raises(SystemExit, match="--controller in-place switches flex engines between "
-                                         "prefill and decode; it cannot run with --colocated"):
+    with pytest.raises(SystemExit, match=r"--controller in-place starts flex engines as "
+                                         r"--prefill/--decode ones \(the controller switches "
+                                         r"them to colocated when that serves better\); it "
+                                         "cannot run with --colocated"):
         _args(build_parser().parse_args(["--controller", "--colocated"]))
 
 

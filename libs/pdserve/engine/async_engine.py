@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import grpc
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.request import EngineStats, RequestOutput
+from pdserve.engine.request import EngineStats, RequestOutput, RequestStatus
 from pdserve.errors import StatusError
 from pdserve.sampling_params import SamplingParams
 
@@ -191,6 +191,29 @@ class AsyncEngine:
             stream.queue.put_nowait(RequestOutput(request_id, [], finished=True,
                                                   finish_reason="abort"))
         return found
+
+    async def refuse_waiting(self, request_ids: set[str], error: BaseException) -> list[str]:
+        """Take those of ``request_ids`` the engine has queued but never scheduled (WAITING,
+        never preempted: no token computed, no page held) out of it; their streams raise
+        ``error``. A flex engine switching role hands such requests back this way (they can
+        start elsewhere at no loss); the ones already running are left to finish."""
+
+        def take(engine: Engine) -> list[str]:
+            taken = []
+            for rid in request_ids:
+                req = engine.requests.get(rid)
+                if req is not None and req.status == RequestStatus.WAITING \
+                        and req.num_preemptions == 0:
+                    engine.abort(rid)  # its "abort" output finds no stream: dropped
+                    taken.append(rid)
+            return taken
+
+        taken = await self.call(take)
+        for rid in taken:
+            stream = self._streams.pop(rid, None)
+            if stream is not None and not stream.finished:
+                stream.queue.put_nowait(error)
+        return taken
 
     async def release(self, request_id: str) -> None:
         """Free the pages a finished held request (prefill_only or ``hold``) still has."""
