@@ -204,16 +204,13 @@ class AsyncEngine:
                 req = engine.requests.get(rid)
                 if req is not None and req.status == RequestStatus.WAITING \
                         and req.num_preemptions == 0:
-                    engine.abort(rid)  # its "abort" output finds no stream: dropped
+                    engine.abort(rid)
                     taken.append(rid)
+            # Posted before the step that emits their "abort" outputs: those find no stream.
+            self._post(self._refuse_streams, (taken, error))
             return taken
 
-        taken = await self.call(take)
-        for rid in taken:
-            stream = self._streams.pop(rid, None)
-            if stream is not None and not stream.finished:
-                stream.queue.put_nowait(error)
-        return taken
+        return await self.call(take)
 
     async def release(self, request_id: str) -> None:
         """Free the pages a finished held request (prefill_only or ``hold``) still has."""
@@ -301,6 +298,13 @@ class AsyncEngine:
             stream.queue.put_nowait(out)
             if out.finished:
                 del self._streams[out.request_id]
+
+    def _refuse_streams(self, item: tuple[list[str], BaseException]) -> None:
+        request_ids, error = item
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None and not stream.finished:
+                stream.queue.put_nowait(error)
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}
