@@ -90,8 +90,11 @@ async def _run_decode(inst: EngineInstance, job: DecodeJob, timeout: float,
                       ) -> AsyncIterator[Chunk]:
     if job.first_token_id is None:
         if inst.role != Role.COLOCATED:
-            raise BadRequest(f"first_token_id is required on a {inst.role} instance; only a "
-                             "colocated engine prefills prompts itself")
+            # The instance's state, not the request, is at fault: a colocated one (or this
+            # one, a flex engine, after switching back) serves it, so the router retries.
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"first_token_id is required on a {inst.role} instance; only a "
+                              "colocated engine prefills prompts itself")
         prompt, params = job.prompt, job.params
     else:
         await _receive_blocks(inst, job, timeout)

@@ -1,6 +1,8 @@
 """The controller inside the router, on real ``pdserve up`` stacks (tiny model, real processes,
 gRPC and Redis): in place it flips a flex engine's role when the load calls for it without
-dropping a request or leaving a block pinned; in dry run it only logs its decisions.
+dropping a request or leaving a block pinned; in dry run it only logs its decisions; two flex
+engines moved between 1P+1D and 2 colocated under load (their queued prompts handed back, the
+router holding requests while only one role is up) complete every request.
 
 Three flex engines start as 2 prefill + 1 decode. Short prompts with long answers make decode
 the bottleneck (the capacity model: 1P+2D serves about twice 2P+1D), so with no dwell time the
@@ -8,6 +10,7 @@ first tick that has seen arrivals switches one prefill engine to decode."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -17,6 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve import auth
+from pdserve.controller.actuator import Flip, InPlaceActuator
+from pdserve.controller.optimizer import Plan
 from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc, kvd_pb2, kvd_pb2_grpc
 from tests.e2e.stack import UpStack, wait_until
 
@@ -125,5 +131,53 @@ def test_dry_run_decides_and_logs_but_switches_nothing() -> None:
         wait_until(lambda: "controller decision: p=1 d=1 reason=" in _router_log(up), 15)
         assert "controller latency" in _router_log(up)
         assert _roles(up) == roles
+    finally:
+        up.stop()
+
+
+async def _apply_in_turn(up: UpStack, addresses: list[str], plans: list[Plan],
+                         settle_s: float) -> list[list[Flip]]:
+    """Each plan in turn, as the in-place controller would, after ``settle_s`` of load."""
+    act = InPlaceActuator(addresses, credentials=up.metadata(auth.DATA, auth.ADMIN))
+    out = []
+    try:
+        for plan in plans:
+            await asyncio.sleep(settle_s)
+            out.append(await act.apply(plan))
+    finally:
+        await act.close()
+    return out
+
+
+def test_two_flex_engines_move_between_split_and_colocated_and_lose_nothing() -> None:
+    # Two sequences per engine: under 8 clients each colocated engine has prompts queued.
+    up = UpStack(["--controller", "dry-run", "--prefill", "1", "--decode", "1",
+                  "--engine-arg=--max-num-seqs=2", "--router-arg=--controller-interval=100",
+                  "--no-restart"]).start()
+    P, D, C = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_COLOCATED
+    try:
+        addresses = [up.addresses["prefill-0"], up.addresses["decode-0"]]
+        load = Load(up, clients=8)
+        try:
+            plans = [Plan(0, 0, 2), Plan(1, 1), Plan(0, 0, 2), Plan(1, 1)]
+            steps = asyncio.run(_apply_in_turn(up, addresses, plans, settle_s=2.0))
+            time.sleep(2.0)  # requests keep flowing on the last arrangement
+        finally:
+            responses = load.stop()
+        to_colocated = [f for i in (0, 2) for f in steps[i]]
+        to_split = [f for i in (1, 3) for f in steps[i]]
+        # 1P+1D -> 2C: the decode engine first, at once (no drain, nothing handed back)
+        assert [f.address for f in steps[0]] == [addresses[1], addresses[0]]
+        assert all(f.to_role == "colocated" and f.num_handed_back == 0 for f in to_colocated)
+        assert sorted(f.to_role for f in to_split) == ["decode", "decode", "prefill", "prefill"]
+        # leaving colocated, queued prompts went back to the router instead of being waited for
+        assert sum(f.num_handed_back for f in to_split) > 0, steps
+        assert sorted(_roles(up).values()) == [P, D]
+        assert C not in _roles(up).values()
+        assert len(responses) >= 16
+        bad = [(r.status_code, r.text[:200]) for r in responses if r.status_code != 200]
+        assert bad == []  # none lost: handed back, waited for the other role, retried
+        assert all(r.json()["usage"]["completion_tokens"] == MAX_TOKENS for r in responses)
+        wait_until(lambda: not any(_held(up).values()), 15)  # no block or slot leaked
     finally:
         up.stop()
