@@ -90,8 +90,11 @@ class Load:
 
 @pytest.fixture(scope="module")
 def in_place() -> Iterator[UpStack]:
+    # A prefill/decode split only (colocated plans off): this test is about moving capacity
+    # between the two roles (colocated=3 models best for this load; see the 2-engine test).
     up = UpStack(["--controller", "--prefill", "2", "--decode", "1", *FAST,
-                  "--router-arg=--controller-dwell=0", "--no-restart"]).start()
+                  "--router-arg=--controller-dwell=0",
+                  "--router-arg=--controller-colocated=false", "--no-restart"]).start()
     try:
         yield up
     finally:
@@ -135,45 +138,47 @@ def test_dry_run_decides_and_logs_but_switches_nothing() -> None:
         up.stop()
 
 
-async def _apply_in_turn(up: UpStack, addresses: list[str], plans: list[Plan],
-                         settle_s: float) -> list[list[Flip]]:
-    """Each plan in turn, as the in-place controller would, after ``settle_s`` of load."""
+async def _move(up: UpStack, addresses: list[str], settle_s: float) -> list[list[Flip]]:
+    """1P+1D -> 2C -> 1P+1D, as the in-place controller would, each after ``settle_s`` of
+    load; again (up to three rounds) until a switch has found prompts queued to hand back."""
     act = InPlaceActuator(addresses, credentials=up.metadata(auth.DATA, auth.ADMIN))
-    out = []
+    steps: list[list[Flip]] = []
     try:
-        for plan in plans:
-            await asyncio.sleep(settle_s)
-            out.append(await act.apply(plan))
+        for _ in range(3):
+            for plan in (Plan(0, 0, 2), Plan(1, 1)):
+                await asyncio.sleep(settle_s)
+                steps.append(await act.apply(plan))
+            if any(f.num_handed_back for f in steps[-1]):
+                break
     finally:
         await act.close()
-    return out
+    return steps
 
 
 def test_two_flex_engines_move_between_split_and_colocated_and_lose_nothing() -> None:
-    # Two sequences per engine: under 8 clients each colocated engine has prompts queued.
+    # Two sequences per engine: under 12 clients each colocated engine has prompts queued.
     up = UpStack(["--controller", "dry-run", "--prefill", "1", "--decode", "1",
                   "--engine-arg=--max-num-seqs=2", "--router-arg=--controller-interval=100",
                   "--no-restart"]).start()
-    P, D, C = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE, common_pb2.ROLE_COLOCATED
+    P, D = common_pb2.ROLE_PREFILL, common_pb2.ROLE_DECODE
     try:
         addresses = [up.addresses["prefill-0"], up.addresses["decode-0"]]
-        load = Load(up, clients=8)
+        load = Load(up, clients=12)
         try:
-            plans = [Plan(0, 0, 2), Plan(1, 1), Plan(0, 0, 2), Plan(1, 1)]
-            steps = asyncio.run(_apply_in_turn(up, addresses, plans, settle_s=2.0))
+            steps = asyncio.run(_move(up, addresses, settle_s=2.0))
             time.sleep(2.0)  # requests keep flowing on the last arrangement
         finally:
             responses = load.stop()
-        to_colocated = [f for i in (0, 2) for f in steps[i]]
-        to_split = [f for i in (1, 3) for f in steps[i]]
+        to_colocated, to_split = steps[0::2], steps[1::2]
         # 1P+1D -> 2C: the decode engine first, at once (no drain, nothing handed back)
-        assert [f.address for f in steps[0]] == [addresses[1], addresses[0]]
-        assert all(f.to_role == "colocated" and f.num_handed_back == 0 for f in to_colocated)
-        assert sorted(f.to_role for f in to_split) == ["decode", "decode", "prefill", "prefill"]
+        assert [f.address for f in to_colocated[0]] == [addresses[1], addresses[0]]
+        assert all(f.to_role == "colocated" and f.num_handed_back == 0
+                   for step in to_colocated for f in step)
+        assert all(sorted(f.to_role for f in step) == ["decode", "prefill"] for step in to_split)
         # leaving colocated, queued prompts went back to the router instead of being waited for
-        assert sum(f.num_handed_back for f in to_split) > 0, steps
+        assert any(f.num_handed_back for f in to_split[-1]), steps
+        assert all(f.num_handed_back <= f.num_in_flight for step in to_split for f in step)
         assert sorted(_roles(up).values()) == [P, D]
-        assert C not in _roles(up).values()
         assert len(responses) >= 16
         bad = [(r.status_code, r.text[:200]) for r in responses if r.status_code != 200]
         assert bad == []  # none lost: handed back, waited for the other role, retried
