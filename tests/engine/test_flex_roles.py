@@ -15,6 +15,7 @@ from pdserve.engine.engine import Engine
 from pdserve.proto.v1 import common_pb2, engine_pb2
 from services.engine.config import EngineServiceConfig
 from tests.services.harness import Client, engine, serve, tokens_of
+from tests.services.test_bridge_loopback import LoopbackKvd
 
 PROMPT = list(range(2, 40))
 HANDED_BACK = "instance is switching role: try another"
@@ -61,6 +62,20 @@ async def test_a_flex_engine_switched_to_colocated_serves_as_a_colocated_engine(
             err.value.details()
         assert (await _set_role(flex, P)).role == P  # and back
         assert (await flex.prefill("p2", PROMPT)).first_token_id == want[0]
+        assert (await flex.stats()).kv_blocks_used == 0
+
+
+async def test_a_colocated_flex_engine_copies_no_prompt_to_its_kvd() -> None:
+    """As a ``--role colocated`` engine (which has no kvd): a flex engine's kvd is for the
+    prefill/decode hand-over, not for the prompts it prefills itself."""
+    eng = engine(tag="flex-kvd")
+    kvd = LoopbackKvd(64, eng.cache.block_shape, eng.config.dtype)
+    async with serve(EngineServiceConfig(role="flex", num_blocks=64), eng,
+                     kvd_client=kvd) as flex:
+        await _set_role(flex, C)
+        chunks = await flex.decode("own", PROMPT * 2, max_tokens=40, ignore_eos=True)
+        assert len(tokens_of(chunks)) == 40
+        assert kvd.num_commits == 0
         assert (await flex.stats()).kv_blocks_used == 0
 
 
