@@ -60,8 +60,9 @@ def _args(ns: argparse.Namespace) -> argparse.Namespace:
         raise SystemExit("pdserve up: error: --device: one device (per-engine lists are "
                          "--prefill-devices and --decode-devices)")
     if ns.controller == "in-place" and ns.colocated:
-        raise SystemExit("pdserve up: error: --controller in-place switches flex engines "
-                         "between prefill and decode; it cannot run with --colocated")
+        raise SystemExit("pdserve up: error: --controller in-place starts flex engines as "
+                         "--prefill/--decode ones (the controller switches them to colocated "
+                         "when that serves better); it cannot run with --colocated")
     if ns.colocated:
         ns.prefill = 0
     elif ns.prefill < 1 or ns.decode < 1:

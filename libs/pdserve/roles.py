@@ -1,7 +1,8 @@
 """Engine roles, mirroring ``common.proto``'s ``Role``; ``flex`` is a capability, not a role.
 
-A flex engine runs prefill or decode at any one time and may be switched (``Engine.SetRole``);
-it reports the role it runs now, and announces itself as ``flex`` in the registry.
+A flex engine runs prefill, decode or colocated at any one time and may be switched
+(``Engine.SetRole``); it reports the role it runs now (``Engine.Stats``), and announces itself
+as ``flex`` in the registry.
 """
 
 from __future__ import annotations

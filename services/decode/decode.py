@@ -90,8 +90,11 @@ async def _run_decode(inst: EngineInstance, job: DecodeJob, timeout: float,
                       ) -> AsyncIterator[Chunk]:
     if job.first_token_id is None:
         if inst.role != Role.COLOCATED:
-            raise BadRequest(f"first_token_id is required on a {inst.role} instance; only a "
-                             "colocated engine prefills prompts itself")
+            # The instance's state, not the request, is at fault: a colocated one (or this
+            # one, a flex engine, after switching back) serves it, so the router retries.
+            raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"first_token_id is required on a {inst.role} instance; only a "
+                              "colocated engine prefills prompts itself")
         prompt, params = job.prompt, job.params
     else:
         await _receive_blocks(inst, job, timeout)
@@ -103,8 +106,12 @@ async def _run_decode(inst: EngineInstance, job: DecodeJob, timeout: float,
         params = dataclasses.replace(job.params, max_tokens=job.params.max_tokens - 1,
                                      prompt_logprobs=None)
     # With a kvd, the finished request's pages stay until its full blocks (prompt and
-    # answer) are in the kvd, where the next turn's prefill finds them.
-    kept = KeptBlocks(inst, job) if inst.bridge is not None else None
+    # answer) are in the kvd, where the next turn's prefill finds them. Not for a prompt a
+    # colocated engine prefilled itself (a flex engine has a kvd): its next turn is served
+    # colocated too, from the engine's own prefix cache, as on a `--role colocated` engine;
+    # copying every prompt block out would cost CPU that engine serves with.
+    is_own_prompt = job.first_token_id is None
+    kept = KeptBlocks(inst, job) if inst.bridge is not None and not is_own_prompt else None
     stream = await inst.aengine.add_request(
         job.request_id, prompt, params, job.priority, job.cache_salt,
         hold=kept is not None,

@@ -33,7 +33,10 @@ class DecodeServicer(engine_pb2_grpc.DecodeServicer):
             {"request_id": rid, "prompt_tokens": len(request.prompt_token_ids),
              "num_blocks": len(request.blocks)})
         job = _job_from_proto(request, rid, inst)
-        with inst.admit(Role.DECODE, Role.COLOCATED):
+        # A prompt a colocated engine would prefill may start elsewhere until it has run here;
+        # a decode of KV made elsewhere never is handed back.
+        restartable = rid if job.first_token_id is None else ""
+        with inst.admit(Role.DECODE, Role.COLOCATED, restartable=restartable):
             timeout = kvd_timeout(context, inst.config.kvd_timeout)
             async for chunk in run_decode(inst, job, timeout):
                 yield _chunk_to_proto(chunk, job.prompt, inst.engine.tokenizer,

@@ -14,7 +14,7 @@ from pdserve.errors import BadRequest
 from pdserve.proto.v1 import engine_pb2, engine_pb2_grpc
 from pdserve.roles import Role
 from pdserve.rpc import rpc_handler
-from services.engine.instance import EngineInstance
+from services.engine.instance import SWITCHABLE, EngineInstance
 
 # Stats waits this long for the engine thread (to count what was queued before it); a longer
 # step (a long prefill chunk on a busy CPU) gets the snapshot taken after the last step
@@ -66,10 +66,11 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
     async def SetRole(self, request: engine_pb2.SetRoleRequest,
                       context: grpc.aio.ServicerContext) -> engine_pb2.SetRoleResponse:
         role = Role.from_proto(request.role)
-        if role not in (Role.PREFILL, Role.DECODE):
-            raise BadRequest("role must be ROLE_PREFILL or ROLE_DECODE")
-        await self.instance.set_role(role)
-        return engine_pb2.SetRoleResponse(role=self.instance.role.proto)
+        if role not in SWITCHABLE:
+            raise BadRequest("role must be ROLE_PREFILL, ROLE_DECODE or ROLE_COLOCATED")
+        num_handed_back = await self.instance.set_role(role)
+        return engine_pb2.SetRoleResponse(role=self.instance.role.proto,
+                                          num_handed_back=num_handed_back)
 
     @rpc_handler("Abort")
     async def Abort(self, request: engine_pb2.AbortRequest,

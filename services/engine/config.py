@@ -31,7 +31,7 @@ from pdserve.server import GrpcServiceConfig
 
 def role_setting(default: Role) -> Any:
     return setting(str(default), choice_kind(*Role),
-                   "engine role; flex instances may switch between prefill and decode")
+                   "engine role; flex instances may switch between prefill, decode and colocated")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,11 @@ from services.engine.convert import EngineLimits
 
 log = logging.getLogger(__name__)
 
+# The roles a flex instance switches between, and what a request it hands back is told.
+SWITCHABLE = (Role.PREFILL, Role.DECODE, Role.COLOCATED)
+HANDED_BACK = "instance is switching role: try another"
+HAND_BACK_POLL_S = 0.05
+
 
 class ReloadReport(NamedTuple):
     swap: SwapResult
@@ -51,6 +56,7 @@ class EngineInstance:
         self.num_in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._restartable: set[str] = set()  # engine request ids a role switch may hand back
         self.model_source = config.model  # what the served weights were loaded from
         self._reloading = False
         self.bridge: KvBridge | None = None  # when --kvd is set
@@ -120,8 +126,13 @@ class EngineInstance:
     # -- admission ------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def admit(self, *roles: Role) -> Iterator[None]:
-        """Count one request in flight, or raise StatusError (wrong role, draining, full)."""
+    def admit(self, *roles: Role, restartable: str = "") -> Iterator[None]:
+        """Count one request in flight, or raise StatusError (wrong role, draining, full).
+
+        ``restartable``: the engine request id of a request that may start on another
+        instance as long as none of it has run here (a prompt to prefill, on a prefill or
+        colocated instance; never a decode of KV made elsewhere): a role switch hands it back
+        while it is still queued (``set_role``)."""
         if self.role not in roles:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"this instance runs role {self.role}; it serves this call only "
@@ -135,9 +146,12 @@ class EngineInstance:
                               f"--max-num-seqs + --max-queued = {limit}): try another instance")
         self.num_in_flight += 1
         self._idle.clear()
+        if restartable:
+            self._restartable.add(restartable)
         try:
             yield
         finally:
+            self._restartable.discard(restartable)
             self.num_in_flight -= 1
             if self.num_in_flight == 0:
                 self._idle.set()
@@ -148,22 +162,38 @@ class EngineInstance:
             await self._idle.wait()
         return self.num_in_flight
 
-    async def set_role(self, role: Role) -> None:
-        """Flex only: drain, switch, accept work again, re-announce in the registry."""
+    async def set_role(self, role: Role) -> int:
+        """Flex only: switch to ``role``, accept work again; returns how many queued requests
+        were handed back.
+
+        To colocated, at once: a colocated engine serves both kinds of call, so whatever was
+        admitted in the old role runs on. Otherwise drain; hand back the requests admitted
+        but not started (UNAVAILABLE ``HANDED_BACK``, which the router retries elsewhere),
+        sweeping again every ``HAND_BACK_POLL_S`` for those still on their way into the
+        engine; wait for the running ones to finish (decodes are never dropped); switch."""
         if not self.is_flex:
             raise StatusError(grpc.StatusCode.FAILED_PRECONDITION,
                               f"role: only a flex instance (--role flex) may switch; this one "
                               f"runs {self.role}")
-        if role not in (Role.PREFILL, Role.DECODE):
-            raise BadRequest(f"role: a flex instance switches between prefill and decode, "
-                             f"got {role}")
+        if role not in SWITCHABLE:
+            raise BadRequest(f"role: a flex instance switches between prefill, decode and "
+                             f"colocated, got {role}")
         if role == self.role:
-            return
-        await self.drain(wait=True)
+            return 0
+        num_handed_back = 0
+        if role != Role.COLOCATED:
+            self.draining = True
+            while not self._idle.is_set():
+                num_handed_back += len(await self.aengine.refuse_waiting(
+                    set(self._restartable), StatusError(grpc.StatusCode.UNAVAILABLE,
+                                                        HANDED_BACK)))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._idle.wait(), HAND_BACK_POLL_S)
         self.role = role
         self.draining = False
-        log.info("role switched", extra={"fields": {"role": role}})
-
+        log.info("role switched", extra={"fields": {"role": role,
+                                                    "handed_back": num_handed_back}})
+        return num_handed_back
 
     async def load_weights(self, source: str, policy: ReloadPolicy,
                            resume: bool) -> ReloadReport:

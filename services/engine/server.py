@@ -4,8 +4,9 @@
     prefill     Prefill, Engine
     decode      Decode, Engine
     colocated   Decode, Engine            (its Decode prefills the prompt itself)
-    flex        Prefill, Decode, Engine   (it may switch; a call for the role it does not
-                                           run now is refused with FAILED_PRECONDITION)
+    flex        Prefill, Decode, Engine   (it may switch among the three roles above; a call
+                                           for a role it does not run now is refused with
+                                           FAILED_PRECONDITION)
 
 ``python -m services.prefill`` and ``python -m services.decode`` are this service with their
 own defaults (port, role, the roles they accept).

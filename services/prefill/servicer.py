@@ -31,7 +31,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServicer):
         trace.get_current_span().set_attributes(
             {"request_id": rid, "prompt_tokens": len(request.prompt_token_ids)})
         job = _job_from_proto(request, rid, inst)
-        with inst.admit(Role.PREFILL):
+        with inst.admit(Role.PREFILL, restartable=rid):
             timeout = kvd_timeout(context, inst.config.kvd_timeout)
             result = await run_prefill(inst, job, timeout)
         metrics.observe(metrics.PREFILL_SECONDS, time.monotonic() - start)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pdserve.env import (
     ADDRESSES,
     BLOCK_SIZE,
+    BOOL,
     NAME,
     STR,
     TOKENS,
@@ -105,6 +106,9 @@ class RouterConfig(GrpcServiceConfig):
     controller_stabilize: float = setting(0.0, float_kind(0.0),
                                           "while the plan in force serves the load, a new plan "
                                           "must be the best for this many seconds first")
+    controller_colocated: bool = setting(
+        True, BOOL, "the controller may choose colocated plans (in place: flex engines switch "
+        "to colocated); false keeps a prefill/decode split")
     controller_lease_ms: int = setting(5000, int_kind(30), "leader lease among routers sharing "
                                        "Redis (ms); a dead leader's lapses after this")
     slo_admission: str = setting("off", choice_kind(*SLO_ADMISSION_MODES),

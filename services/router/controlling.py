@@ -6,8 +6,9 @@
                        a tick every --controller-interval), with ``_after_tick`` as its hook
       PoolStatsSource  the monitor's samples: the Stats the router's own poll fetched (no
                        second poll of the engines)
-      PoolActuator     in place: Drain → SetRole on the pool's flex engines, over the router's
-                       channels (its admin credential)
+      PoolActuator     in place: (Drain →) SetRole on the pool's flex engines, over the
+                       router's channels (its admin credential); colocated plans too unless
+                       --controller-colocated=false
       RedisLease       when the router has Redis: one acting controller among the routers
     The router reports each admitted request (``arrived``: prompt and answer lengths, for the
     predictor) and each finished one (``finished``: TTFT, TPOT, inter-token gaps, for the
@@ -37,7 +38,7 @@ from pdserve.controller.monitor import (
 )
 from pdserve.controller.optimizer import Cluster, Decision, Plan, Policy, Slo
 from pdserve.controller.predictor import Arrival, WorkloadWindow
-from pdserve.proto.v1 import engine_pb2_grpc
+from pdserve.proto.v1 import engine_pb2, engine_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.instances import Instance, InstancePool
 
@@ -74,14 +75,20 @@ class PoolActuator(InPlaceActuator):
     def stubs(self) -> dict[str, engine_pb2_grpc.EngineStub]:
         return {a: i.engine for a, i in self.pool.instances.items()}
 
+    def confirmed(self, address: str, stats: engine_pb2.EngineStats) -> None:
+        """The pool learns the new role now, not at its next poll: calls for the old role
+        would be refused (FAILED_PRECONDITION) and take the engine out of rotation."""
+        inst = self.pool.instances.get(address)
+        if inst is not None:
+            inst.apply_stats(stats)
+
 
 def current_plan(samples: Sequence[Sample], flex_only: bool) -> Plan:
-    """The plan the engines run now (the flex ones only, when they are what may move)."""
+    """The plan the engines run now (the flex ones only, when they are what may move). A mix
+    of colocated and prefill/decode engines (a switch that failed half way) is kept as it is:
+    no plan the optimizer offers equals it, so the controller moves to one."""
     engines = [s for s in samples if s.is_flex or not flex_only]
-    colocated = sum(s.role == "colocated" for s in engines)
-    if colocated:
-        return Plan(0, 0, colocated)
-    return Plan(sum(s.role == "prefill" for s in engines), sum(s.role == "decode" for s in engines))
+    return Plan(*(sum(s.role == r for s in engines) for r in ("prefill", "decode", "colocated")))
 
 
 def make_actuator(config: RouterConfig, pool: InstancePool) -> Actuator:
@@ -132,7 +139,7 @@ class RouterController:
         n = plan.num_prefill + plan.num_decode + plan.num_colocated
         if n == 0:
             log.warning("controller: no engine to plan for yet (flex engines for in-place)")
-        cluster = Cluster(max(1, n), allow_colocated=not in_place)
+        cluster = Cluster(max(1, n), allow_colocated=self.config.controller_colocated)
         loop_config = LoopConfig(self.config.controller_interval,
                                  self.config.controller_interval, self.slo)
         policy = Policy(plan, self.config.controller_margin, self.config.controller_dwell,

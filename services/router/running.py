@@ -1,6 +1,7 @@
 """The loop of one request across the engines: place it, prefill, relay the decode, waiting
 while every instance is busy or down, prefilling again when its KV was lost and going on
-elsewhere when a stream broke (steps 4-7 of ``core``; one call each is in ``flow``)."""
+elsewhere when a stream broke, and starting over when flex engines switched between colocated
+and prefill/decode before any of it ran (steps 4-7 of ``core``; one call each is in ``flow``)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,20 @@ from services.router.phases import prefill_again, relay_decode, run_prefill
 from services.router.policy import Choice, RoutingPolicy
 
 
+class Regroup(Exception):  # noqa: N818 (a signal between two methods, not an error)
+    """The request's group changed kind (flex engines switched between colocated and
+    prefill/decode) before any of it ran: it starts over on ``group``."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__(group.fingerprint)
+        self.group = group
+
+
+def _is_unstarted_colocated(flow: Flow) -> bool:
+    """Placed on a colocated engine, nothing sent yet: a prefill/decode pair can take it whole."""
+    return flow.prefill_response is None and flow.resume is None and not flow.sent_ids
+
+
 @dataclass
 class Runner:
     """Runs a request on a group; ``placed`` is told of each first placement (the counters)."""
@@ -35,6 +50,16 @@ class Runner:
     placed: Callable[[Flow], None]
 
     async def run(self, flow: Flow, group: Group) -> AsyncIterator[router_pb2.GenerateResponse]:
+        while True:
+            try:
+                async for message in self._run_on(flow, group):
+                    yield message
+                return
+            except Regroup as moved:  # nothing ran or was sent yet: start over on the new group
+                group = moved.group
+
+    async def _run_on(self, flow: Flow, group: Group,
+                      ) -> AsyncIterator[router_pb2.GenerateResponse]:
         prefills, decodes = group.prefills, group.decodes
         first = None
         if prefills and decodes:
@@ -77,6 +102,8 @@ class Runner:
             except Down as down:
                 down_waited = await flow.wait_down(down, down_waited)
                 group = await self.groups.wait(flow)
+                if not (group.prefills and group.decodes):  # flex engines switched to colocated
+                    raise Regroup(group) from down
                 prefills, decodes = group.prefills, group.decodes
 
     async def _decode(self, flow: Flow, decodes: list[Instance],
@@ -97,6 +124,8 @@ class Runner:
             except Down as down:  # every decode down (restarting): wait for one to be back
                 down_waited = await flow.wait_down(down, down_waited)
                 group = await self.groups.wait(flow)
+                if _is_unstarted_colocated(flow) and not group.colocated:
+                    raise Regroup(group) from down  # flex engines switched to prefill/decode
                 decodes = group.decodes or group.colocated
 
     def _place_colocated(self, flow: Flow, decodes: list[Instance]) -> Choice:

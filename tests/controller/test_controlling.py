@@ -38,6 +38,8 @@ def _sample(role: str, flex: bool = True) -> Sample:
     ([("prefill", True), ("decode", False)], True, Plan(1, 0)),  # a fixed engine stays out
     ([("prefill", True), ("decode", False)], False, Plan(1, 1)),
     ([("colocated", False), ("colocated", False)], False, Plan(0, 0, 2)),
+    ([("colocated", True), ("colocated", True)], True, Plan(0, 0, 2)),  # flex, switched
+    ([("prefill", True), ("colocated", True)], True, Plan(1, 0, 1)),  # half way: kept as is
     ([], True, Plan(0, 0)),
 ])
 def test_the_plan_in_force_is_the_engines_roles(roles: list[tuple[str, bool]], flex_only: bool,
@@ -73,6 +75,21 @@ async def test_flags_build_the_controller_settings() -> None:
     policy = ctl.build().policy
     assert (policy.min_dwell_s, policy.stable_s) == (5.0, 3.0)
     assert maybe_controller(RouterConfig(**BASE), pool) is None  # off by default
+
+
+@pytest.mark.parametrize(("argv", "allowed"), [([], True),
+                                               (["--controller-colocated", "false"], False)])
+async def test_colocated_plans_are_allowed_unless_the_operator_keeps_a_split(
+        argv: list[str], allowed: bool) -> None:
+    cfg = RouterConfig.from_argv(["--prefill", "a:1", "--decode", "b:2", "--controller",
+                                  "in-place", *argv])
+    ctl = maybe_controller(cfg, InstancePool(cfg.prefill, cfg.decode))
+    assert ctl is not None and ctl.build().cluster.allow_colocated is allowed
+
+
+def test_a_half_way_plan_says_so() -> None:
+    assert (str(Plan(1, 0, 1)), str(Plan(0, 0, 2)), str(Plan(1, 1))) == (
+        "p=1 d=0 colocated=1", "colocated=2", "p=1 d=1")
 
 
 async def test_each_mode_gets_its_actuator() -> None:
@@ -129,8 +146,10 @@ def test_up_controller_starts_flex_engines_and_passes_the_flags() -> None:
 
 
 def test_up_in_place_controller_refuses_colocated_engines() -> None:
-    with pytest.raises(SystemExit, match="--controller in-place switches flex engines between "
-                                         "prefill and decode; it cannot run with --colocated"):
+    with pytest.raises(SystemExit, match=r"--controller in-place starts flex engines as "
+                                         r"--prefill/--decode ones \(the controller switches "
+                                         r"them to colocated when that serves better\); it "
+                                         "cannot run with --colocated"):
         _args(build_parser().parse_args(["--controller", "--colocated"]))
 
 

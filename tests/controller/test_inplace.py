@@ -72,8 +72,8 @@ async def test_plans_it_cannot_carry_out_are_refused_with_the_reason() -> None:
         act = InPlaceActuator([_address(a), _address(b)])
         with pytest.raises(ActuationError, match="needs 3 flex engines, 2 answered Stats"):
             await act.apply(Plan(2, 1))
-        with pytest.raises(ActuationError, match="a colocated plan needs colocated engines"):
-            await act.apply(Plan(0, 0, 2))
+        with pytest.raises(ActuationError, match=r"colocated=3 needs 3 flex engines"):
+            await act.apply(Plan(0, 0, 3))
         await act.close()
     with pytest.raises(ActuationError, match="Stats failed: UNAVAILABLE"):
         await InPlaceActuator(["127.0.0.1:1"], rpc_timeout_s=1).apply(Plan(1, 0))

@@ -128,10 +128,11 @@ async def test_bad_block_refs_name_the_field() -> None:
                     pass
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert needle in (err.value.details() or "")
-        # A decode instance does not prefill: the first token is required.
+        # A decode instance does not prefill: the first token is required (of this instance:
+        # a colocated one takes the same request, so the router may retry it there).
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await d.decode("no-first", prompt)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "first_token_id is required" in (err.value.details() or "")
 
 

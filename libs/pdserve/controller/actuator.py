@@ -1,12 +1,17 @@
 """Actuators: what carries a ``Plan`` out. One interface, several back-ends:
 
-    InPlaceActuator   flex engines switched over gRPC: Drain (no new work; the router moves
-                      on) → SetRole (the engine waits for its in-flight requests, switches and
-                      accepts work again) → Stats confirms the new role; never drops a request
+    InPlaceActuator   flex engines switched over gRPC, one at a time in ``choose_flips``'s
+                      order. To colocated: SetRole at once (a colocated engine serves both
+                      kinds of call, so what it runs goes on). Otherwise Drain (no new work;
+                      the router moves on) → SetRole (the engine hands its queued, unstarted
+                      prompts back to the router, waits for its running requests, switches
+                      and accepts work again). Stats confirms the new role. Never drops a
+                      request.
     DryRunActuator    logs and records each plan, touches nothing
     KubernetesActuator (k8s.py) scales the prefill and decode Deployments
 
-Which engines flip: the least busy (queue + running) of the role that has too many.
+Which engines flip: the least busy of each role that has too many; in which order: so that
+some engine can serve at every moment it can be arranged (``choose_flips``).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ class ActuationError(RuntimeError):
 class Flip:
     address: str
     to_role: str
-    num_in_flight: int  # when its drain began
+    num_in_flight: int  # when its drain began (to colocated, no drain: its queue + running)
+    num_handed_back: int = 0  # queued prompts it refused for the router to place elsewhere
 
 
 class Actuator(abc.ABC):
@@ -57,26 +63,68 @@ class DryRunActuator(Actuator):
         return []
 
 
+ROLES = ("prefill", "decode", "colocated")
+# Which engines a new role takes first: to colocated, decode ones before prefill ones (a
+# decode engine's requests are the longest to finish, and it becomes colocated at once); to
+# prefill or decode, colocated ones first (the role that serves both kinds goes last).
+_SOURCES = {"colocated": ("decode", "prefill"), "prefill": ("colocated", "decode"),
+            "decode": ("colocated", "prefill")}
+
+
+def _load(s: Sample) -> tuple[int, str]:
+    return (s.queue_depth + s.num_running, s.address)
+
+
+def _target_order(need: dict[str, int], have: dict[str, int]) -> list[str]:
+    """The roles to fill, in order: colocated first (it takes no drain), then prefill and
+    decode alternately, starting with the one fewer engines run now (ties: decode), so both
+    exist as early as possible and the router can pair them."""
+    order = ["colocated"] * need["colocated"]
+    p, d = need["prefill"], need["decode"]
+    turn = "prefill" if have["prefill"] < have["decode"] else "decode"
+    while p or d:
+        if turn == "prefill" and p or not d:
+            order.append("prefill")
+            p -= 1
+        else:
+            order.append("decode")
+            d -= 1
+        turn = "decode" if turn == "prefill" else "prefill"
+    return order
+
+
 def choose_flips(samples: Sequence[Sample], plan: Plan) -> list[tuple[Sample, str]]:
-    """Which flex engines to switch, and to what, for ``samples`` to run ``plan``."""
-    if plan.is_colocated:
-        raise ActuationError("in place: flex engines switch between prefill and decode only; a "
-                             "colocated plan needs colocated engines (exclude it with "
-                             "allow_colocated=False)")
+    """Which flex engines to switch, to what, and in which order, for ``samples`` to run
+    ``plan`` (a split, colocated, or back). Of a role that has too many engines the least busy
+    leave; the order keeps serving capacity wherever it can:
+
+        1P+1D -> 2C     D->C (at once: colocated serves), then P->C (at once)
+        2C -> 1P+1D     C->D (the other C serves), then C->P: while it drains only the
+                        decode engine is up, so the router holds new requests until the
+                        prefill is back (unavoidable with two engines)
+        3C -> 2P+1D     C->D, C->P (a P+D pair now serves), C->P
+    """
     flex = [s for s in samples if s.is_flex]
-    if plan.num_prefill + plan.num_decode != len(flex):
-        raise ActuationError(f"in place: plan {plan} needs {plan.num_prefill + plan.num_decode} "
-                             f"flex engines, {len(flex)} answered Stats")
-    prefill = [s for s in flex if s.role == "prefill"]
-    decode = [s for s in flex if s.role == "decode"]
-    by_load = sorted(prefill if len(prefill) > plan.num_prefill else decode,
-                     key=lambda s: (s.queue_depth + s.num_running, s.address))
-    excess = abs(len(prefill) - plan.num_prefill)
-    to_role = "decode" if len(prefill) > plan.num_prefill else "prefill"
-    return [(s, to_role) for s in by_load[:excess]]
+    want = {"prefill": plan.num_prefill, "decode": plan.num_decode,
+            "colocated": plan.num_colocated}
+    if sum(want.values()) != len(flex):
+        raise ActuationError(f"in place: plan {plan} needs {sum(want.values())} flex engines, "
+                             f"{len(flex)} answered Stats")
+    by_role = {r: sorted((s for s in flex if s.role == r), key=_load) for r in ROLES}
+    unknown = [s.address for s in flex if s.role not in ROLES]
+    if unknown:
+        raise ActuationError(f"in place: flex engines {unknown} report no role")
+    have = {r: len(by_role[r]) for r in ROLES}
+    leaving = {r: by_role[r][:max(0, have[r] - want[r])] for r in ROLES}
+    flips = []
+    for role in _target_order({r: max(0, want[r] - have[r]) for r in ROLES}, have):
+        source = next(r for r in _SOURCES[role] if leaving[r])
+        flips.append((leaving[source].pop(0), role))
+    return flips
 
 
-_PROTO_ROLE = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE}
+_PROTO_ROLE = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE,
+               "colocated": common_pb2.ROLE_COLOCATED}
 
 
 class InPlaceActuator(Actuator):
@@ -100,37 +148,48 @@ class InPlaceActuator(Actuator):
         """The engines this actuator may switch, by address (a subclass may compute them)."""
         return self._stubs
 
-    async def _stats(self, address: str) -> Sample:
-        stats = await self.stubs()[address].Stats(engine_pb2.EngineStatsRequest(),
-                                                 timeout=self.rpc_timeout_s)
-        return sample_from_proto(stats, address, 0.0)
+    async def _stats(self, address: str) -> engine_pb2.EngineStats:
+        stats: engine_pb2.EngineStats = await self.stubs()[address].Stats(
+            engine_pb2.EngineStatsRequest(), timeout=self.rpc_timeout_s)
+        return stats
+
+    def confirmed(self, address: str, stats: engine_pb2.EngineStats) -> None:
+        """A flip's result, as the engine reported it (a subclass may record it)."""
 
     async def apply(self, plan: Plan) -> list[Flip]:
+        """The flips in ``choose_flips``'s order, one at a time (each is short: a drain waits
+        only for running requests); a failed one stops the rest, done ones stay done."""
         try:
-            samples = await asyncio.gather(*(self._stats(a) for a in self.stubs()))
+            stats = await asyncio.gather(*(self._stats(a) for a in self.stubs()))
         except grpc.RpcError as exc:
             raise ActuationError(f"in place: Stats failed: {exc.code().name}: "
                                  f"{exc.details()}") from None
-        flips = choose_flips(samples, plan)
-        return list(await asyncio.gather(*(self._flip(s.address, r) for s, r in flips)))
+        samples = [sample_from_proto(st, a, 0.0) for st, a in zip(stats, self.stubs(),
+                                                                  strict=True)]
+        return [await self._flip(s, role) for s, role in choose_flips(samples, plan)]
 
-    async def _flip(self, address: str, role: str) -> Flip:
-        stub = self.stubs()[address]
-        step = "Drain"
+    async def _flip(self, sample: Sample, role: str) -> Flip:
+        address, stub = sample.address, self.stubs()[sample.address]
+        step, in_flight = "Drain", sample.queue_depth + sample.num_running
         try:
-            drained = await stub.Drain(engine_pb2.DrainRequest(wait=False),
-                                       timeout=self.rpc_timeout_s)
+            if role != "colocated":
+                drained = await stub.Drain(engine_pb2.DrainRequest(wait=False),
+                                           timeout=self.rpc_timeout_s)
+                in_flight = drained.num_in_flight
             step = "SetRole"
-            await stub.SetRole(engine_pb2.SetRoleRequest(role=_PROTO_ROLE[role]),
-                               timeout=self.drain_timeout_s)
+            switched = await stub.SetRole(engine_pb2.SetRoleRequest(role=_PROTO_ROLE[role]),
+                                          timeout=self.drain_timeout_s)
             step = "Stats"
-            after = await self._stats(address)
+            stats = await self._stats(address)
         except grpc.RpcError as exc:
             raise ActuationError(f"in place: {step} on {address} failed: {exc.code().name}: "
                                  f"{exc.details()}") from None
+        after = sample_from_proto(stats, address, 0.0)
         if after.role != role or after.draining:
             raise ActuationError(f"in place: {address} runs {after.role} (draining="
                                  f"{after.draining}) after SetRole {role}")
+        self.confirmed(address, stats)
         log.info("flex engine switched", extra={"fields": {
-            "address": address, "role": role, "in_flight_at_drain": drained.num_in_flight}})
-        return Flip(address, role, drained.num_in_flight)
+            "address": address, "from_role": sample.role, "role": role,
+            "in_flight_at_drain": in_flight, "handed_back": switched.num_handed_back}})
+        return Flip(address, role, in_flight, switched.num_handed_back)

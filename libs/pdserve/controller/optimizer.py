@@ -48,8 +48,12 @@ class Plan:
         return self.num_colocated > 0
 
     def __str__(self) -> str:
-        return f"colocated={self.num_colocated}" if self.is_colocated else \
-            f"p={self.num_prefill} d={self.num_decode}"
+        split = f"p={self.num_prefill} d={self.num_decode}"
+        if not self.is_colocated:
+            return split
+        colocated = f"colocated={self.num_colocated}"
+        # A mix (engines left half way through a switch) is no plan the optimizer offers.
+        return f"{split} {colocated}" if self.num_prefill or self.num_decode else colocated
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import grpc
 
 from pdserve.engine.engine import Engine
-from pdserve.engine.request import EngineStats, RequestOutput
+from pdserve.engine.request import EngineStats, RequestOutput, RequestStatus
 from pdserve.errors import StatusError
 from pdserve.sampling_params import SamplingParams
 
@@ -192,6 +192,26 @@ class AsyncEngine:
                                                   finish_reason="abort"))
         return found
 
+    async def refuse_waiting(self, request_ids: set[str], error: BaseException) -> list[str]:
+        """Take those of ``request_ids`` the engine has queued but never scheduled (WAITING,
+        never preempted: no token computed, no page held) out of it; their streams raise
+        ``error``. A flex engine switching role hands such requests back this way (they can
+        start elsewhere at no loss); the ones already running are left to finish."""
+
+        def take(engine: Engine) -> list[str]:
+            taken = []
+            for rid in request_ids:
+                req = engine.requests.get(rid)
+                if req is not None and req.status == RequestStatus.WAITING \
+                        and req.num_preemptions == 0:
+                    engine.abort(rid)
+                    taken.append(rid)
+            # Posted before the step that emits their "abort" outputs: those find no stream.
+            self._post(self._refuse_streams, (taken, error))
+            return taken
+
+        return await self.call(take)
+
     async def release(self, request_id: str) -> None:
         """Free the pages a finished held request (prefill_only or ``hold``) still has."""
         await self.call(lambda e: e.release(request_id))
@@ -278,6 +298,13 @@ class AsyncEngine:
             stream.queue.put_nowait(out)
             if out.finished:
                 del self._streams[out.request_id]
+
+    def _refuse_streams(self, item: tuple[list[str], BaseException]) -> None:
+        request_ids, error = item
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None and not stream.finished:
+                stream.queue.put_nowait(error)
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = self._streams, {}

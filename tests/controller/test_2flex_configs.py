@@ -1,0 +1,25 @@
+"""The shipped bench configs for the issue's exact form (2 flex engines under the in-place
+controller vs 2 colocated vs fixed 1P+1D) load, and compare the stacks they say they do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve_bench.configs import load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "configs"
+
+
+@pytest.mark.parametrize("workload", ["mixed", "shifting"])
+def test_2flex_config_compares_the_controller_with_colocated_and_1p1d(workload: str) -> None:
+    cfg = load_config(CONFIGS / f"controller-2flex-{workload}.toml")
+    pairs = {(c.baseline, c.candidate) for c in cfg.comparisons}
+    assert pairs == {("colocated", "flex2_controller"), ("disaggregated", "flex2_controller")}
+    assert {c.workload.name for c in cfg.comparisons} == {workload}
+    args = cfg.stacks["flex2_controller"].args
+    assert args[args.index("--controller") + 1] == "in-place"
+    assert tuple(args[args.index("--prefill"):][:4]) == ("--prefill", "1", "--decode", "1")
+    assert "--router-arg=--controller-stabilize=3" in args
+    assert not any("--controller-colocated" in a for a in args)  # colocated allowed (default)
