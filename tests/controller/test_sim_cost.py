@@ -36,7 +36,8 @@ def test_a_step_costs_its_rows(num_decodes: int, prompt: int, seconds: float,
     assert step_cost(MODEL, num_decodes, prompt) == pytest.approx(seconds, abs=1e-6)
     if prompt:  # the replaced model (decode step + prompt / rate) differs in every such row
         old = MODEL.step_time(num_decodes) + prompt / MODEL.prefill_tokens_per_s
-        assert old == pytest.approx(old_additive, abs=1e-6) and old != pytest.approx(seconds, abs=1e-6)
+        assert old == pytest.approx(old_additive, abs=1e-6)
+        assert old != pytest.approx(seconds, abs=1e-6)
 
 
 def test_without_measured_points_the_cap_is_max_batch() -> None:

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 
 def chunk_sizes(itls: list[float], num_tokens: int) -> list[int]:
     """Tokens per chunk after the first token, for ``num_tokens`` decode tokens that arrived

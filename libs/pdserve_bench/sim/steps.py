@@ -24,7 +24,6 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -80,14 +79,13 @@ class Bench:
 def decode_only(bench: Bench, batches: list[int], repeats: int) -> list[dict[str, float]]:
     """A steady decode step of each batch size (to set a prompt of P tokens beside P rows)."""
     return [{"num_decodes": b, "prompt_len": 0,
-             "decode_ms": 1e3 * _median(lambda b=b: bench.one(b, 1)["decode"], repeats)}
-            for b in batches]
+             "decode_ms": 1e3 * _median(bench, b, 1, "decode", repeats)} for b in batches]
 
 
 def measure(bench: Bench, batches: list[int], prompts: list[int], repeats: int
             ) -> list[dict[str, float]]:
     rows = []
-    prefill = {p: _median(lambda p=p: bench.one(0, p)["mixed"], repeats) for p in prompts}
+    prefill = {p: _median(bench, 0, p, "mixed", repeats) for p in prompts}
     for b in batches:
         for p in prompts:
             runs = [bench.one(b, p) for _ in range(repeats)]
@@ -99,8 +97,9 @@ def measure(bench: Bench, batches: list[int], prompts: list[int], repeats: int
     return rows
 
 
-def _median(fn: Callable[[], float], repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
+def _median(bench: Bench, num_decodes: int, prompt_len: int, key: str, repeats: int) -> float:
+    """The median over ``repeats`` of one step time of (b, P)."""
+    return statistics.median(bench.one(num_decodes, prompt_len)[key] for _ in range(repeats))
 
 
 def main(argv: list[str] | None = None) -> int:

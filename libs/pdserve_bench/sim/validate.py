@@ -28,6 +28,7 @@ later ones (a colocated stack's is the control: it has no hand-off).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,7 +145,7 @@ def _first_gap_excess(requests: list[dict[str, Any]]) -> float:
     return _pct(excess, 50)
 
 
-def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Theil-Sen (intercept, slope): the median of the pairwise slopes, so one stalled request
     does not tilt it (least squares did); NaN when the x values do not vary."""
     slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points)
