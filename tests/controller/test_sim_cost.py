@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.controller.capacity import CapacityModel
 from pdserve.controller.optimizer import Plan, Slo
-from pdserve_bench.sim import cli
+from pdserve_bench.sim import cli, steps
 from pdserve_bench.sim.chunks import chunk_gaps, chunk_sizes
 from pdserve_bench.sim.cluster import Sim
 from pdserve_bench.sim.cost import step_cost
@@ -125,3 +125,10 @@ def test_handoff_must_not_be_negative(tmp_path: Path,
     assert cli.main(["--validate", str(path), "--handoff-ms", "30"]) == 0
     out = capsys.readouterr().out
     assert "first gap +" in out and "ttft gap fit" in out
+
+
+def test_the_step_benchmark_refuses_a_prompt_past_one_chunk(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        steps.main(["--batches", "8", "--prompts", "510"])  # 518 rows > the 512 chunk
+    assert "--prompts: 1..512 - max(--batches) tokens (one chunk)" in capsys.readouterr().err

@@ -1,8 +1,8 @@
 """The simulated cluster: a heapq event loop over arrivals, prefill batches, KV transfers,
 decode steps, role switches and controller ticks.
 
-    arrival ──router──► prefill instance (FIFO; a batch ≤ chunk tokens costs prefill_time)
-        first token at batch end ──KV transfer (blocks · block bytes / link)──► decode
+    arrival ──router──► prefill instance (FIFO; a batch ≤ chunk tokens costs what its rows
+        cost, ``cost.py``) ── first token at batch end ── KV hand-off ──► decode
     decode instance: continuous batching ≤ max_batch; a step of b costs step_time(b); a
         request that joined at step k finishes at step k + output_len - 1
     colocated instance: each step carries up to ``chunk`` prompt tokens beside its decodes,
