@@ -2,12 +2,13 @@
 the simulated tokens into the chunks the real stream sent.
 
 The engine streams text: a token whose bytes do not yet make printable text (a piece of a
-UTF-8 character, the start of a possible stop string) is held and goes out with the next
-one, so a chunk may carry several tokens and its gap spans their steps. Which tokens merge
-is a property of the answer's text, not of the serving arrangement: in the validation run
-every request has the same number of chunks in all three stacks. bench-50m (random weights)
-holds back often: 24% of the decode tokens, and runs of ~50 tokens (a 1 s gap) in a few
-answers, which is what sets the measured ITL tail.
+UTF-8 character) adds none, and the bench client counts one token per chunk with text when
+the stream carries no per-chunk token count (``pdserve_bench/stats.py`` spreads a chunk's gap
+over its tokens only when it knows them), so a measured gap may span several tokens' steps.
+Which tokens merge is a property of the answer's text, not of the serving arrangement: in the
+validation run every request has the same number of chunks in all three stacks. bench-50m
+(random weights) merges often: 24% of the decode tokens, and runs of ~50 tokens (a 1 s gap)
+in a few answers, which is what sets the measured ITL tail.
 
 A run file has each request's token count and chunk gaps, not the tokens per chunk, so
 ``chunk_sizes`` rebuilds them: the total is exact (tokens − 1 over len(gaps) chunks), and a
