@@ -20,9 +20,9 @@ the cores (kvd, router, gateway; ``--time-scale`` stretches every modelled cost 
 of every TTFT; each row's ``ttft gap`` (measured − simulated TTFT, request by request, before
 the offset: its p50, and its Theil-Sen line over the prompt length) on a low-rate run is
 the value to pass — measured on one run, then checked on the others. Likewise ``--handoff-ms``
-(a prefilled request's fixed wait before its decode engine runs it) from the row's ``first gap
-excess`` of a disaggregated stack: per request, its first decode gap less the median of its
-later ones (a colocated stack's is the control: it has no hand-off).
+(a prefilled request's fixed wait before its decode engine runs it) from the ``first gap +``
+row of a disaggregated stack: per request, its first decode gap less the median of its later
+ones, p50 (a colocated stack's is the control: it has no hand-off).
 """
 
 from __future__ import annotations
