@@ -13,7 +13,7 @@ from pdserve.controller.optimizer import Plan, Slo
 from pdserve_bench.sim import cli
 from pdserve_bench.sim.cluster import Sim
 from pdserve_bench.sim.state import SimConfig
-from pdserve_bench.sim.validate import Arrangement, arrangement, simulate
+from pdserve_bench.sim.validate import Arrangement, Replay, arrangement, simulate
 from pdserve_bench.sim.workload import SimRequest
 
 # 1000 prompt tokens/s + 5 ms a batch; decode steps 10 ms + 1 ms per sequence
@@ -47,14 +47,14 @@ def test_the_arrangement_is_what_the_up_arguments_start(args: list[str], plan: P
 def test_engines_pinned_to_one_core_share_it() -> None:
     two = [SimRequest(0, 0.0, 100, 1), SimRequest(1, 0.0, 100, 1)]
     alone = Sim(MODEL, CFG, ["colocated", "colocated"], cores=["0", "1"]).run(two, 10.0)
-    assert [r.t_first for r in alone] == pytest.approx([0.110, 0.110])  # 10 ms + 100 tokens
+    assert [r.t_first for r in alone] == pytest.approx([0.105, 0.105])  # 5 ms + 100 tokens
     shared = Sim(MODEL, CFG, ["colocated", "colocated"], cores=["0", "0"]).run(two, 10.0)
-    assert [r.t_first for r in shared] == pytest.approx([0.220, 0.220])  # each at half speed
-    # B starts 50 ms into A's 110 ms: A has 60 ms left, done at half speed by 0.17 s; B has
-    # done 60 of its 110 ms by then, and finishes the last 50 alone at 0.22 s
+    assert [r.t_first for r in shared] == pytest.approx([0.210, 0.210])  # each at half speed
+    # B starts 50 ms into A's 105 ms: A has 55 ms left, done at half speed by 0.16 s; B has
+    # done 55 of its 105 ms by then, and finishes the last 50 alone at 0.21 s
     staggered = [SimRequest(0, 0.0, 100, 1), SimRequest(1, 0.05, 100, 1)]
     done = Sim(MODEL, CFG, ["colocated", "colocated"], cores=["0", "0"]).run(staggered, 10.0)
-    assert sorted(r.t_first for r in done) == pytest.approx([0.170, 0.220])
+    assert sorted(r.t_first for r in done) == pytest.approx([0.160, 0.210])
     with pytest.raises(ValueError, match="cores: 1 given for 2 instances"):
         Sim(MODEL, CFG, ["colocated", "colocated"], cores=["0"])
 
@@ -87,8 +87,9 @@ def test_validate_rows_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert row["sim_ttft_p50_ms"] == pytest.approx(105, rel=0.01)  # nothing queues at 2 req/s
     assert row["ttft_gap_p50_ms"] == pytest.approx(95, rel=0.01)  # measured 200 - simulated 105
     shifted = simulate(json.loads(path.read_text())["runs"][0], Arrangement(Plan(1, 1), None),
-                       MODEL, CFG, Slo(1.0, 0.1), ttft_offset_s=0.095)
-    assert shifted["sim_ttft_p50_ms"] == pytest.approx(200, rel=0.01)
+                       MODEL, CFG, Slo(1.0, 0.1), Replay(ttft_fixed_s=0.045,
+                                                        ttft_per_token_s=0.0005))
+    assert shifted["sim_ttft_p50_ms"] == pytest.approx(200, rel=0.01)  # 45 ms + 100 x 0.5 ms
     assert shifted["ttft_gap_p50_ms"] == row["ttft_gap_p50_ms"]  # read before the offset
     assert cli.main(["--validate", str(path), "--json", "--time-scale", "2"]) == 0
     out = capsys.readouterr().out.splitlines()

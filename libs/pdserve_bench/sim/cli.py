@@ -31,7 +31,7 @@ from pdserve_bench.sim.control import TracePoint
 from pdserve_bench.sim.evaluate import Evaluation, evaluate, shifting
 from pdserve_bench.sim.goodput import Search, evaluate_goodput, format_goodput, scaled
 from pdserve_bench.sim.state import SimConfig
-from pdserve_bench.sim.validate import ValidationError, format_rows, validate
+from pdserve_bench.sim.validate import Replay, ValidationError, format_rows, validate
 
 DEFAULT_CALIBRATION = Path(CALIBRATION_FILE)
 
@@ -79,7 +79,17 @@ def _parser() -> argparse.ArgumentParser:
         help="multiply every calibrated cost (engines sharing cores run slower than the bench)")
     add("--ttft-offset-ms", type=float, default=0.0,
         help="--validate: a fixed latency added to every simulated TTFT (what the model leaves "
-             "out: gateway, router, tokenization; read it off a low-rate run's ttft gap p50)")
+             "out: gateway, router, tokenization; read it off a low-rate run's ttft gap p50, "
+             "or its ttft gap fit with --ttft-ms-per-token)")
+    add("--ttft-ms-per-token", type=float, default=0.0,
+        help="--validate: and this much per prompt token (the ttft gap fit's slope)")
+    add("--handoff-ms", type=float, default=0.0,
+        help="a prefilled request's fixed wait before its decode engine runs it (router call, "
+             "kvd, import), besides the KV bytes over --link-gbps; read it off a low-rate "
+             "disaggregated run's 'first gap +' row")
+    add("--per-token-gaps", dest="chunked", action="store_false",
+        help="--validate: one simulated gap per token, not grouped into the measured stream's "
+             "chunks (what the run's ITL is made of)")
     add("--no-shared-cores", dest="shared_cores", action="store_false",
         help="--validate: ignore the stack's CPU pinning (engines never share a core)")
     add("--goodput", action="store_true",
@@ -107,6 +117,8 @@ def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--urgent-dwell-s must be >= 0")
     if a.stabilize_s < 0:
         p.error("--stabilize-s must be >= 0")
+    if a.handoff_ms < 0:
+        p.error("--handoff-ms must be >= 0")
     if a.chunk_tokens is not None and a.chunk_tokens < 1:
         p.error("--chunk-tokens must be >= 1")
     if not 0 < a.goal <= 1:
@@ -144,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     slo = Slo(a.ttft_slo, a.tpot_slo)
     chunk = a.chunk_tokens or (512 if a.validate else 2048)
     cfg = SimConfig(chunk_tokens=chunk, block_bytes=a.block_mib * (1 << 20),
-                    link_bytes_per_s=a.link_gbps * 1.25e8, switch_s=a.switch_s)
+                    link_bytes_per_s=a.link_gbps * 1.25e8, switch_s=a.switch_s,
+                    handoff_s=a.handoff_ms / 1000)
     if a.validate:
         return _validate(a, model, cfg, slo)
     ctl = {"window_s": a.window_s, "horizon_s": a.horizon_s, "margin": a.margin,
@@ -218,7 +231,9 @@ def _validate(a: argparse.Namespace, model: CapacityModel, cfg: SimConfig, slo: 
              if len(model.decode_points) >= 2 else ""))
     for path in a.validate:
         try:
-            rows = validate(path, model, cfg, slo, a.shared_cores, a.ttft_offset_ms / 1000)
+            rows = validate(path, model, cfg, slo, Replay(
+                a.shared_cores, a.ttft_offset_ms / 1000, a.ttft_ms_per_token / 1000,
+                a.chunked))
         except ValidationError as exc:
             sys.stderr.write(f"pdserve sim: error: --validate {exc}\n")
             return 2

@@ -1,12 +1,15 @@
 """The simulated cluster: a heapq event loop over arrivals, prefill batches, KV transfers,
 decode steps, role switches and controller ticks.
 
-    arrival ──router──► prefill instance (FIFO; a batch ≤ chunk tokens costs prefill_time)
-        first token at batch end ──KV transfer (blocks · block bytes / link)──► decode
+    arrival ──router──► prefill instance (FIFO; a batch ≤ chunk tokens costs what its rows
+        cost, ``cost.py``) ── first token at batch end ── KV hand-off ──► decode
     decode instance: continuous batching ≤ max_batch; a step of b costs step_time(b); a
         request that joined at step k finishes at step k + output_len - 1
-    colocated instance: each step carries up to ``chunk`` prompt tokens (step_time(b) +
-        chunk / prefill rate): prompts stall decodes, as chunked prefill does
+    colocated instance: each step carries up to ``chunk`` prompt tokens beside its decodes,
+        and costs what its rows cost (``cost.py``): prompts stall decodes, as chunked
+        prefill does
+    a prompt's KV reaches its decode instance ``handoff_s`` + blocks · block bytes / link
+        after its first token
     flex instance switching role: no new work, finishes what it has, then ``switch_s``
 
 The router sends a prompt to the prefill (or colocated) instance with the fewest prompt
@@ -22,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import cast
 
 from pdserve.controller.capacity import CapacityModel
+from pdserve_bench.sim.cost import step_cost
 from pdserve_bench.sim.sharing import CoreSharing
 from pdserve_bench.sim.state import Inst, Req, SimConfig
 from pdserve_bench.sim.workload import SimRequest
@@ -43,6 +47,9 @@ class Sim:
         self.on_arrival: Callable[[SimRequest], None] | None = None
         # When a list: (inter-token gap, sequences that saw it), for ``--validate``'s ITL.
         self.itl: list[tuple[float, int]] | None = None
+        # When a dict: every token's time per request id (its first token's first), for
+        # ``--validate`` to group them into the chunks the real stream sent.
+        self.token_times: dict[int, list[float]] | None = None
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = 0
         self.now = 0.0
@@ -163,7 +170,7 @@ class Sim:
             self._maybe_switch(inst)
             return
         inst.busy = True
-        self._compute(inst, self.m.prefill_time(tokens), PREFILL_DONE, (inst, batch))
+        self._compute(inst, step_cost(self.m, 0, tokens), PREFILL_DONE, (inst, batch))
 
     def _prefill_done(self, obj: object) -> None:
         (inst, batch), version = cast(tuple[tuple[Inst, list[Req]], int], obj)
@@ -195,8 +202,7 @@ class Sim:
             self._maybe_switch(inst)
             return
         inst.busy, inst.step_t0 = True, self.now
-        dur = self.m.step_time(len(inst.running)) + chunk / self.m.prefill_tokens_per_s
-        self._compute(inst, dur, STEP_DONE, inst)
+        self._compute(inst, step_cost(self.m, len(inst.running), chunk), STEP_DONE, inst)
 
     def _compute(self, inst: Inst, work: float, kind: int, payload: object) -> None:
         """Schedule the end of ``inst``'s operation of ``work`` seconds at full speed (slower
@@ -249,6 +255,9 @@ class Sim:
         first = [req for end, _, req in inst.running if end - req.r.output_len + 2 == inst.k]
         self.itl.append((gap, len(inst.running) - len(first)))
         self.itl.extend((self.now - req.t_first, 1) for req in first)
+        if self.token_times is not None:
+            for _, rid, req in inst.running:
+                self.token_times.setdefault(rid, [req.t_first]).append(self.now)
 
     def _finish(self, req: Req) -> None:
         req.t_done = self.now

@@ -16,9 +16,14 @@ class SimConfig:
     block_bytes: float = 1 << 20  # KV bytes of one block (all layers)
     link_bytes_per_s: float = 1.25e9  # 10 Gbit/s
     switch_s: float = 1.0  # a flex engine's role switch once drained
+    # A prefilled request's fixed cost before its decode engine can run it, whatever its
+    # size: the router's Decode call, the kvd's wait and the engine's import (``--validate``
+    # reads it from a run: the first decode gap's excess over the steady ones).
+    handoff_s: float = 0.0
 
     def transfer_s(self, input_len: int) -> float:
-        return math.ceil(input_len / self.block_size) * self.block_bytes / self.link_bytes_per_s
+        blocks = math.ceil(input_len / self.block_size)
+        return self.handoff_s + blocks * self.block_bytes / self.link_bytes_per_s
 
 
 @dataclass(slots=True)

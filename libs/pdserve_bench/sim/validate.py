@@ -8,20 +8,27 @@ and with ``--controller in-place`` the simulated controller at the router's sett
 (``--router-arg=--controller-interval=…`` etc.) — and the simulated TTFT and inter-token
 latency percentiles are printed beside the measured ones, with the relative error.
 
-Simulated ITL: each decode step's duration, once per sequence in the step; a request's first
-gap after its first token is the stall until its first decode step ends (KV transfer, queue).
+Simulated ITL: the gaps between a request's simulated tokens grouped into the chunks its real
+stream sent (``chunks.py``; ``--per-token-gaps``: each decode step's duration, once per
+sequence in it); a request's first gap after its first token includes the stall until its
+first decode step ends (hand-off, KV transfer, queue).
 Engines pinned to one CPU set (``--prefill-cpus``/``--decode-cpus``) share it: while k of them
 compute, each runs at 1/k of its speed (``sharing.py``; ``--no-shared-cores`` turns it off).
 Not modelled: the gateway and router hops, tokenization, streaming, and the other processes on
 the cores (kvd, router, gateway; ``--time-scale`` stretches every modelled cost by one factor).
-``--ttft-offset-ms`` adds a fixed latency to every simulated TTFT; each row's ``ttft gap p50``
-(measured − simulated TTFT, request by request, before the offset) on a low-rate run is the
-value to pass — measured on one run, then checked on the others.
+``--ttft-offset-ms`` (+ ``--ttft-ms-per-token`` × prompt tokens) adds what the model leaves out
+of every TTFT; each row's ``ttft gap`` (measured − simulated TTFT, request by request, before
+the offset: its p50, and its Theil-Sen line over the prompt length) on a low-rate run is
+the value to pass — measured on one run, then checked on the others. Likewise ``--handoff-ms``
+(a prefilled request's fixed wait before its decode engine runs it) from the ``first gap +``
+row of a disaggregated stack: per request, its first decode gap less the median of its later
+ones, p50 (a colocated stack's is the control: it has no hand-off).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +37,7 @@ import numpy as np
 
 from pdserve.controller.capacity import CapacityModel
 from pdserve.controller.optimizer import Plan, Slo
+from pdserve_bench.sim.chunks import chunk_gaps, chunk_sizes
 from pdserve_bench.sim.cluster import Sim
 from pdserve_bench.sim.control import SimController
 from pdserve_bench.sim.evaluate import optimizer_cluster
@@ -115,9 +123,41 @@ def _weighted_pct(pairs: list[tuple[float, int]], q: float) -> float:
     return pairs[min(i, len(pairs) - 1)][0]
 
 
+@dataclass(frozen=True)
+class Replay:
+    """How a run is replayed: engines sharing their CPU sets, what the model leaves out of a
+    TTFT (``ttft_fixed_s`` + ``ttft_per_token_s`` × prompt tokens), and simulated tokens
+    grouped into the measured stream's chunks (``chunks.py``) or one gap per token."""
+
+    shared_cores: bool = True
+    ttft_fixed_s: float = 0.0
+    ttft_per_token_s: float = 0.0
+    chunked: bool = True
+
+    def ttft_offset(self, input_len: int) -> float:
+        return self.ttft_fixed_s + self.ttft_per_token_s * input_len
+
+
+def _first_gap_excess(requests: list[dict[str, Any]]) -> float:
+    """p50 over requests of (first decode gap − the median of its later gaps)."""
+    excess = [r["itls_s"][0] - float(np.median(r["itls_s"][1:]))
+              for r in requests if len(r["itls_s"]) >= 3]
+    return _pct(excess, 50)
+
+
+def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Theil-Sen (intercept, slope): the median of the pairwise slopes, so one stalled request
+    does not tilt it (least squares did); NaN when the x values do not vary."""
+    slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(points)
+              for x2, y2 in points[i + 1:] if x2 != x1]
+    if not slopes:
+        return float("nan"), float("nan")
+    slope = float(np.median(slopes))
+    return float(np.median([y - slope * x for x, y in points])), slope
+
+
 def simulate(run: dict[str, Any], arr: Arrangement, model: CapacityModel, cfg: SimConfig,
-             slo: Slo, shared_cores: bool = True, ttft_offset_s: float = 0.0
-             ) -> dict[str, float]:
+             slo: Slo, replay: Replay = Replay()) -> dict[str, float]:
     ok = sorted((r for r in run["requests"]
                  if r.get("error") is None and r.get("ttft_s") is not None),
                 key=lambda r: r["start_s"])
@@ -133,17 +173,22 @@ def simulate(run: dict[str, Any], arr: Arrangement, model: CapacityModel, cfg: S
                             c["interval"], c["margin"], c["dwell"], stable_s=c["stabilize"])
         tick = c["interval"]
     sim = Sim(model, cfg, roles, ctl.tick if ctl else None, tick,
-              arr.cores if shared_cores else None)
-    sim.itl = []
+              arr.cores if replay.shared_cores else None)
+    sim.itl, sim.token_times = [], {}
     if ctl is not None:
         sim.on_arrival = ctl.observe
     end = max((r.t for r in requests), default=0.0)
     done = sim.run(requests, until=end + 600.0)
     measured_itl = [g for r in ok for g in r["itls_s"]]
-    sim_ttft = [r.t_first - r.r.t + ttft_offset_s for r in done]
+    sim_ttft = [r.t_first - r.r.t + replay.ttft_offset(r.r.input_len) for r in done]
+    sim_itl = sim.itl if not replay.chunked else [
+        (g, 1) for r in done for g in chunk_gaps(
+            sim.token_times.get(r.r.rid, [r.t_first]),
+            chunk_sizes(ok[r.r.rid]["itls_s"], r.r.output_len - 1))]
     # measured - simulated TTFT, request by request, before the offset: what a low-rate run
-    # says the model leaves out (the value to pass as --ttft-offset-ms)
-    gaps = [ok[r.r.rid]["ttft_s"] - (r.t_first - r.r.t) for r in done]
+    # says the model leaves out (the values to pass as --ttft-offset-ms, --ttft-ms-per-token)
+    gaps = [(r.r.input_len, ok[r.r.rid]["ttft_s"] - (r.t_first - r.r.t)) for r in done]
+    gap_fixed_s, gap_per_token_s = _line(gaps)
     return {
         "rate": float(run["rate"]), "requests": len(requests), "simulated": len(done),
         "switches": len({(p.num_prefill, p.num_decode) for p in ctl.trace}) - 1 if ctl else 0,
@@ -153,13 +198,15 @@ def simulate(run: dict[str, Any], arr: Arrangement, model: CapacityModel, cfg: S
         "sim_ttft_p90_ms": 1000 * _pct(sim_ttft, 90),
         "ttft_p99_ms": 1000 * _pct([r["ttft_s"] for r in ok], 99),
         "sim_ttft_p99_ms": 1000 * _pct(sim_ttft, 99),
-        "ttft_gap_p50_ms": 1000 * _pct(gaps, 50),
+        "ttft_gap_p50_ms": 1000 * _pct([g for _, g in gaps], 50),
+        "ttft_gap_fixed_ms": 1000 * gap_fixed_s, "ttft_gap_ms_per_token": 1000 * gap_per_token_s,
+        "first_gap_excess_p50_ms": 1000 * _first_gap_excess(ok),
         "itl_p50_ms": 1000 * _pct(measured_itl, 50),
-        "sim_itl_p50_ms": 1000 * _weighted_pct(sim.itl, 50),
+        "sim_itl_p50_ms": 1000 * _weighted_pct(sim_itl, 50),
         "itl_p90_ms": 1000 * _pct(measured_itl, 90),
-        "sim_itl_p90_ms": 1000 * _weighted_pct(sim.itl, 90),
+        "sim_itl_p90_ms": 1000 * _weighted_pct(sim_itl, 90),
         "itl_p99_ms": 1000 * _pct(measured_itl, 99),
-        "sim_itl_p99_ms": 1000 * _weighted_pct(sim.itl, 99),
+        "sim_itl_p99_ms": 1000 * _weighted_pct(sim_itl, 99),
     }
 
 
@@ -173,6 +220,12 @@ def format_rows(name: str, rows: list[dict[str, float]]) -> str:
         out.append(f"{name:<20} {row['rate']:>5g} {'ttft gap p50':<12} "
                    f"{row['ttft_gap_p50_ms']:>9.1f} (measured - simulated, per request, "
                    "before --ttft-offset-ms)")
+        out.append(f"{name:<20} {row['rate']:>5g} {'ttft gap fit':<12} "
+                   f"{row['ttft_gap_fixed_ms']:>9.1f} ms + {row['ttft_gap_ms_per_token']:.3f} "
+                   "ms/prompt token (Theil-Sen, the same gaps)")
+        out.append(f"{name:<20} {row['rate']:>5g} {'first gap +':<12} "
+                   f"{row['first_gap_excess_p50_ms']:>9.1f} (measured first decode gap - "
+                   "its request's later median, p50; --handoff-ms)")
         for m in METRICS:
             real, sim = row[m], row[f"sim_{m}"]
             err = (sim - real) / real if real else float("nan")
@@ -182,7 +235,7 @@ def format_rows(name: str, rows: list[dict[str, float]]) -> str:
 
 
 def validate(path: Path, model: CapacityModel, cfg: SimConfig, slo: Slo,
-             shared_cores: bool = True, ttft_offset_s: float = 0.0) -> list[dict[str, float]]:
+             replay: Replay = Replay()) -> list[dict[str, float]]:
     args, runs = load_runs(path)
     arr = arrangement(args)
-    return [simulate(run, arr, model, cfg, slo, shared_cores, ttft_offset_s) for run in runs]
+    return [simulate(run, arr, model, cfg, slo, replay) for run in runs]
