@@ -19,7 +19,7 @@ from tests.engine.helpers import random_prompts, run_all
 NEEDS_MKL = pytest.mark.skipif(pack_kind(torch.zeros(2, 2)) is None,
                                reason="this torch build has no MKL packed sgemm")
 NEEDS_ONEDNN = pytest.mark.skipif(pack_kind(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
-                                  reason="this torch build has no oneDNN bfloat16 linear")
+                                  reason="no oneDNN bfloat16 linear here (a torch build without it, or a CPU without AVX-512)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -30,12 +30,21 @@ def test_packed_linear_equals_f_linear(dtype: torch.dtype, rows: int) -> None:
     bias = torch.randn(96, generator=g).to(dtype)
     packed = pack(weight)
     if packed is None:
-        pytest.skip(f"no packed GEMM for {dtype} in this torch build")  # e.g. no MKL
+        pytest.skip(f"no packed GEMM for {dtype} here")  # no MKL, or bf16 without AVX-512
     x = torch.randn(rows, 64, generator=g).to(dtype)
     # float32 (MKL) and bfloat16 (oneDNN) were bit-identical to F.linear when measured;
     # the bound allows only a summation-order difference.
     torch.testing.assert_close(packed.linear(x, bias), F.linear(x, weight, bias),
                                rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_bf16_without_onednn_support_keeps_the_plain_gemm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2-only CPU: oneDNN refuses to pack bfloat16 weights, so they stay plain."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    weight = torch.randn(8, 4).to(torch.bfloat16)
+    assert pack_kind(weight) is None
+    assert pack(weight) is None
 
 
 def test_what_is_not_packed() -> None:

@@ -12,7 +12,7 @@ blocked layout the CPU GEMM library wants, so no step pays the reorder.
 
 (measured with torch 2.13 on a 2-core AVX-512/AMX machine; ``pdserve bench engine`` reports
 the GEMM ceiling with these weights.) Where neither op exists (no MKL / oneDNN build, other
-dtypes, other devices) ``pack`` returns None and the layer keeps ``F.linear``.
+dtypes, other devices, bfloat16 on a CPU without AVX-512) ``pack`` returns None and the layer keeps ``F.linear``.
 
 Memory: torch sizes MKL's packed buffer in float32 elements from a byte count, so the packed
 copy of a float32 weight takes 1.6-4.5x the weight's own bytes (``nbytes``); engines short of
@@ -66,9 +66,16 @@ def pack_kind(weight: torch.Tensor) -> str | None:
         return None
     if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
         return "mkl"
-    if weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+    if weight.dtype == torch.bfloat16 and onednn_bf16_supported():
         return "onednn"
     return None
+
+
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN runs bfloat16 GEMMs on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses to pack a weight elsewhere (an AVX2-only CPU)."""
+    return bool(torch.backends.mkldnn.is_available()
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack(weight: torch.Tensor) -> PackedWeight | None:
