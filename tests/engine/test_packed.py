@@ -19,7 +19,8 @@ from tests.engine.helpers import random_prompts, run_all
 NEEDS_MKL = pytest.mark.skipif(pack_kind(torch.zeros(2, 2)) is None,
                                reason="this torch build has no MKL packed sgemm")
 NEEDS_ONEDNN = pytest.mark.skipif(pack_kind(torch.zeros(2, 2, dtype=torch.bfloat16)) is None,
-                                  reason="no oneDNN bfloat16 linear here (a torch build without it, or a CPU without AVX-512)")
+                                  reason="no oneDNN bfloat16 linear here (not in this torch, "
+                                         "or a CPU without AVX-512)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

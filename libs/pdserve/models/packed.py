@@ -12,7 +12,8 @@ blocked layout the CPU GEMM library wants, so no step pays the reorder.
 
 (measured with torch 2.13 on a 2-core AVX-512/AMX machine; ``pdserve bench engine`` reports
 the GEMM ceiling with these weights.) Where neither op exists (no MKL / oneDNN build, other
-dtypes, other devices, bfloat16 on a CPU without AVX-512) ``pack`` returns None and the layer keeps ``F.linear``.
+dtypes, other devices, bfloat16 on a CPU without AVX-512) ``pack`` returns None and the layer
+keeps ``F.linear``.
 
 Memory: torch sizes MKL's packed buffer in float32 elements from a byte count, so the packed
 copy of a float32 weight takes 1.6-4.5x the weight's own bytes (``nbytes``); engines short of
