@@ -231,23 +231,22 @@ class Policy:
         self._candidate: tuple[Plan, float] | None = None  # the better plan, best since when
 
     def _target(self, m: CapacityModel, load: Load, slo: Slo, cluster: Cluster,
-                current: Scored, best: Scored) -> tuple[Scored, str]:
-        """The plan to aim at and the preference rule that chose it ("" for most goodput:
-        then the capacity margin applies to the move)."""
+                current: Scored, best: Scored) -> tuple[Scored, str, bool]:
+        """The plan to aim at, the preference rule that chose it ("" without one) and whether
+        the preference chose it (then no capacity margin applies to the move)."""
         split = best_split(m, load, slo, cluster) if self.prefer == "split" else None
         if split is None:
-            return best, ""
+            return best, "", False
         if not self.plan.is_colocated and current.capacity >= load.rate:
             better = split.capacity >= current.capacity * (1 + self.margin)
             kept = split if better else current
             return kept, (f"split keeps up: {kept.plan} serves {kept.capacity:.2f} ≥ load "
-                          f"{load.rate:.2f}")
-        need = load.rate * (1 + self.headroom)
-        if split.capacity >= need:
+                          f"{load.rate:.2f}"), True
+        if split.capacity >= load.rate * (1 + self.headroom):
             return split, (f"split keeps up: {split.plan} serves {split.capacity:.2f} ≥ load "
-                           f"{load.rate:.2f} × {1 + self.headroom:g}")
+                           f"{load.rate:.2f} × {1 + self.headroom:g}"), True
         return best, (f"split short: {split.plan} serves {split.capacity:.2f} < load "
-                      f"{load.rate:.2f} × {1 + self.headroom:g}, most goodput")
+                      f"{load.rate:.2f} × {1 + self.headroom:g}, most goodput"), False
 
     def decide(self, now: float, m: CapacityModel, load: Load, slo: Slo,
                cluster: Cluster) -> Decision:
@@ -256,7 +255,7 @@ class Policy:
             return Decision(self.plan, False, "hold: no load forecast (0 req/s)", load, 0.0)
         current = score(self.plan, m, load, slo, cluster)
         best = best_plan(m, load, slo, cluster)
-        target, rule = self._target(m, load, slo, cluster, current, best)
+        target, rule, preferred = self._target(m, load, slo, cluster, current, best)
         what = (f"load {load.rate:.2f} req/s in {load.input_len:.0f}/{load.output_len:.0f} "
                 f"tokens: best {best.plan} serves {best.capacity:.2f}, {self.plan} serves "
                 f"{current.capacity:.2f}")
@@ -267,8 +266,7 @@ class Policy:
             return Decision(self.plan, False, f"{why}: {what}", load, current.capacity)
 
         if target.plan == self.plan or \
-                (not rule.startswith("split keeps up")
-                 and target.capacity < current.capacity * (1 + self.margin)):
+                (not preferred and target.capacity < current.capacity * (1 + self.margin)):
             self._candidate = None
             return hold("hold" if target.plan == self.plan else
                         f"hold (within {self.margin:.0%} margin)")
