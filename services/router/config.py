@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.controller.optimizer import PREFERENCES
 from pdserve.env import (
     ADDRESSES,
     BLOCK_SIZE,
@@ -106,6 +107,14 @@ class RouterConfig(GrpcServiceConfig):
     controller_stabilize: float = setting(0.0, float_kind(0.0),
                                           "while the plan in force serves the load, a new plan "
                                           "must be the best for this many seconds first")
+    controller_prefer: str = setting(
+        "split", choice_kind(*PREFERENCES),
+        "split: the best prefill/decode split while it serves the forecast load x (1 + "
+        "--controller-headroom), colocated only when no split keeps up (disaggregation's ITL); "
+        "goodput: the plan of the most modelled goodput")
+    controller_headroom: float = setting(0.2, float_kind(0.0), "--controller-prefer split: a "
+                                         "split is chosen when it serves this fraction more "
+                                         "than the forecast load")
     controller_colocated: bool = setting(
         True, BOOL, "the controller may choose colocated plans (in place: flex engines switch "
         "to colocated); false keeps a prefill/decode split")

@@ -9,6 +9,8 @@
       PoolActuator     in place: (Drain →) SetRole on the pool's flex engines, over the
                        router's channels (its admin credential); colocated plans too unless
                        --controller-colocated=false
+      Policy           --controller-prefer: split (the default: a split while it keeps up
+                       with the load x (1 + --controller-headroom)) or goodput
       RedisLease       when the router has Redis: one acting controller among the routers
     The router reports each admitted request (``arrived``: prompt and answer lengths, for the
     predictor) and each finished one (``finished``: TTFT, TPOT, inter-token gaps, for the
@@ -143,7 +145,9 @@ class RouterController:
         loop_config = LoopConfig(self.config.controller_interval,
                                  self.config.controller_interval, self.slo)
         policy = Policy(plan, self.config.controller_margin, self.config.controller_dwell,
-                        now=time.monotonic(), stable_s=self.config.controller_stabilize)
+                        now=time.monotonic(), stable_s=self.config.controller_stabilize,
+                        prefer=self.config.controller_prefer,
+                        headroom=self.config.controller_headroom)
         monitor = ResourceMonitor(PoolStatsSource(self.pool), self.config.controller_window)
         return Controller(monitor, self.window, self.model, policy, cluster,
                           make_actuator(self.config, self.pool), loop_config, self.lease,

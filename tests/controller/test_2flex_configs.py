@@ -22,4 +22,6 @@ def test_2flex_config_compares_the_controller_with_colocated_and_1p1d(workload: 
     assert args[args.index("--controller") + 1] == "in-place"
     assert tuple(args[args.index("--prefill"):][:4]) == ("--prefill", "1", "--decode", "1")
     assert "--router-arg=--controller-stabilize=3" in args
+    assert "--router-arg=--controller-prefer=split" in args  # explicit, not the default's
+    assert cfg.run.rates == (1.5, 3.0)
     assert not any("--controller-colocated" in a for a in args)  # colocated allowed (default)

@@ -56,6 +56,8 @@ BASE = {"prefill": ("127.0.0.1:1",), "decode": ("127.0.0.1:2",)}
     ({"slo_tpot_ms": -1.0}, "--slo-tpot-ms"),
     ({"controller_interval": 0.0}, "--controller-interval"),
     ({"controller_lease_ms": 10}, "--controller-lease-ms"),
+    ({"controller_prefer": "latency"}, "--controller-prefer"),
+    ({"controller_headroom": -0.5}, "--controller-headroom"),
 ])
 def test_controller_settings_errors_name_the_flag(kwargs: dict, needle: str) -> None:
     with pytest.raises(ValueError, match=needle):
@@ -85,6 +87,21 @@ async def test_colocated_plans_are_allowed_unless_the_operator_keeps_a_split(
                                   "in-place", *argv])
     ctl = maybe_controller(cfg, InstancePool(cfg.prefill, cfg.decode))
     assert ctl is not None and ctl.build().cluster.allow_colocated is allowed
+
+
+@pytest.mark.parametrize(("argv", "prefer", "headroom"), [
+    ([], "split", 0.2),  # a disaggregated server is run for its ITL: the split by default
+    (["--controller-prefer", "goodput"], "goodput", 0.2),
+    (["--controller-prefer=split", "--controller-headroom", "0.5"], "split", 0.5),
+])
+async def test_the_preference_reaches_the_policy(argv: list[str], prefer: str,
+                                                 headroom: float) -> None:
+    cfg = RouterConfig.from_argv(["--prefill", "a:1", "--decode", "b:2", "--controller",
+                                  "in-place", *argv])
+    ctl = maybe_controller(cfg, InstancePool(cfg.prefill, cfg.decode))
+    assert ctl is not None
+    policy = ctl.build().policy
+    assert (policy.prefer, policy.headroom) == (prefer, headroom)
 
 
 def test_a_half_way_plan_says_so() -> None:

@@ -68,6 +68,24 @@ async def test_a_tick_decides_acts_logs_and_exports(caplog: pytest.LogCaptureFix
     assert not d.changed and d.reason.startswith("hold")
 
 
+async def test_the_decision_line_shows_the_models_and_the_engines_prefill_rates(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A busy prefill engine (prompts queued) at 850 tokens/s; an idle one's 1200 and a decode
+    # engine's are no measure of prefill speed. The model in use says 1000.
+    def sample(iid: str, role: str, queued: int, prefill_tps: float) -> Sample:
+        return Sample(iid, f"{iid}:1", 99.0, role, True, False, queued, 1, 0, 0, prefill_tps,
+                      0.0, 0, 0, 0)
+
+    source = CannedStats([sample("p", "prefill", 3, 850.0), sample("q", "prefill", 0, 1200.0),
+                          sample("d", "decode", 2, 5000.0)])
+    ctl = _controller(DryRunActuator(), source)
+    with caplog.at_level(logging.INFO, logger="pdserve.controller.loop"):
+        await ctl.tick(now=100.0)
+    [record] = [r for r in caplog.records if "controller decision" in r.getMessage()]
+    fields = record.fields  # type: ignore[attr-defined]
+    assert (fields["model_prefill_tps"], fields["busy_prefill_tps"]) == (1000, 850)
+
+
 async def test_only_the_lease_holder_acts(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     key = "pdserve-test-15:loop-lease"

@@ -46,8 +46,25 @@ def test_window_mean_and_trim() -> None:
     for i in range(20):  # one a second, prompts 100 then 300
         w.add(Arrival(float(i), 100 if i < 10 else 300, 50))
     load = w.current(now=19.5)  # arrivals 10..19 remain
-    assert load == Load(1.0, 300.0, 50.0)
+    assert load == Load(1.0, 300.0, 50.0, 300.0 ** 2)  # a constant mix: E[L²] = E[L]²
     assert w.current(now=100.0) == Load(0.0, 0.0, 0.0)
+
+
+def test_window_carries_the_prompt_lengths_second_moment() -> None:
+    w = WorkloadWindow(window_s=10)
+    for i in range(10):  # chat and RAG turns alternating: 24 and 900 tokens
+        w.add(Arrival(float(i), 24 if i % 2 else 900, 50))
+    load = w.current(now=9.5)
+    assert load.input_len == 462.0
+    assert load.input_len_sq == (24 ** 2 + 900 ** 2) / 2 == load.input_len_2nd
+    assert load.input_len_2nd > 1.85 * load.input_len ** 2  # E[L²]/E[L]² = 1.90
+    forecast = w.forecast(now=9.5, horizon_s=2.0)  # the recent half: 5..9, three 24s, two 900s
+    assert forecast.input_len_sq == (3 * 24 ** 2 + 2 * 900 ** 2) / 5
+
+
+def test_an_unknown_second_moment_reads_as_a_constant_mix() -> None:
+    assert Load(1.0, 300.0, 50.0).input_len_2nd == 300.0 ** 2
+    assert Load(1.0, 300.0, 50.0, 100.0).input_len_2nd == 300.0 ** 2  # below E[L]²: noise
 
 
 def test_window_forecast_extrapolates_a_ramp_and_follows_the_mix() -> None:

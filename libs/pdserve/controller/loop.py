@@ -125,8 +125,17 @@ class Controller:
         PLAN_CAPACITY.set(decision.capacity)
         self._publish_plan()
         log.info(f"controller decision: {decision.plan} reason={decision.reason}",
-                 extra={"fields": {"outcome": outcome, "rate": round(load.rate, 3)}})
+                 extra={"fields": {"outcome": outcome, "rate": round(load.rate, 3),
+                                   "model_prefill_tps": round(self.model.prefill_tokens_per_s),
+                                   "busy_prefill_tps": round(self._busy_prefill_rate())}})
         return decision
+
+    def _busy_prefill_rate(self) -> float:
+        """The highest prefill tokens/s a busy engine (prompts queued) reported in the window,
+        0 if none was busy: logged next to the model's rate, whose calibration may not be the
+        engines' (another model, another prompt length, cores shared)."""
+        return max((s.prefill_tokens_per_s for s in self.monitor.samples()
+                    if s.role in ("prefill", "colocated") and s.queue_depth > 0), default=0.0)
 
     def _publish_plan(self) -> None:
         plan = self.policy.plan

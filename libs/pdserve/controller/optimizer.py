@@ -1,15 +1,17 @@
 """Ratio optimizer: for a predicted load, the (prefill, decode) split — or colocated — of N
 instances that serves the most requests per second within the TTFT and TPOT SLOs, from the
 calibrated ``CapacityModel``; and a ``Policy`` that adopts a new plan only past a margin and a
-minimum dwell time (hysteresis: it never flaps).
+minimum dwell time (hysteresis: it never flaps), and that may prefer a split while it keeps up.
 
 Per-instance capacity under the SLOs (requests/s), each a closed form or a bisection:
 
-    prefill    the M/D/1 rate at which wait + service + KV transfer + one decode step ≤ TTFT
+    prefill    the rate at which the M/G/1 wait + service + KV transfer + one decode step ≤
+               TTFT; the wait is Pollaczek-Khinchine's, W = λ·E[S²] / (2(1 - ρ)), E[S²] from
+               the prompt length's second moment (a constant mix: the M/D/1 wait)
     decode     b_max = the largest batch whose step time ≤ TPOT (≤ max_batch);
                rate = b_max / (step(b_max) · output_len)            (Little's law)
     colocated  chunked prefill rides in decode steps: prefill takes u = λ·L_in / r_p of the time,
-               TPOT = step(b) / (1 - u), b = λ·L_out·TPOT; TTFT = M/D/1 wait at u + the
+               TPOT = step(b) / (1 - u), b = λ·L_out·TPOT; TTFT = the M/G/1 wait at u + the
                prompt's chunks, each a step carrying ``chunk_tokens``
 
 A disaggregated split serves min(p·cap_prefill, d·cap_decode); colocated N·cap_colocated.
@@ -66,9 +68,24 @@ class Cluster:
     allow_colocated: bool = True
 
 
-def _mdl_wait(rho: float, service_s: float) -> float:
-    """Mean queueing delay of an M/D/1 queue (Pollaczek-Khinchine with zero variance)."""
-    return math.inf if rho >= 1 else rho * service_s / (2 * (1 - rho))
+def _mg1_wait(rho: float, service_s: float, scv_factor: float) -> float:
+    """Mean queueing delay of an M/G/1 queue at utilization ``rho`` whose mean service time is
+    ``service_s`` (Pollaczek-Khinchine): λ·E[S²] / (2(1 - ρ)) = ρ·E[S]·(E[S²]/E[S]²) / (2(1 - ρ));
+    ``scv_factor`` = E[S²]/E[S]² (1 for a constant service time: the M/D/1 wait)."""
+    return math.inf if rho >= 1 else rho * service_s * scv_factor / (2 * (1 - rho))
+
+
+def _len_scv_factor(load: Load) -> float:
+    """E[L²]/E[L]² of the prompt length: E[S²]/E[S]² of a service time proportional to it."""
+    return load.input_len_2nd / load.input_len ** 2 if load.input_len > 0 else 1.0
+
+
+def _prefill_scv_factor(m: CapacityModel, load: Load) -> float:
+    """E[S²]/E[S]² of a prefill, S = overhead + L / rate: the overhead is constant, so
+    E[S²] = o² + 2o·E[L]/r + E[L²]/r²."""
+    o, r = m.prefill_overhead_s, m.prefill_tokens_per_s
+    mean = m.prefill_time(load.input_len)
+    return (o * o + 2 * o * load.input_len / r + load.input_len_2nd / r ** 2) / mean ** 2
 
 
 def _max_rate(ok: Callable[[float], bool], hi: float) -> float:
@@ -85,7 +102,8 @@ def _max_rate(ok: Callable[[float], bool], hi: float) -> float:
 def prefill_capacity(m: CapacityModel, load: Load, slo: Slo, cluster: Cluster) -> float:
     service = m.prefill_time(load.input_len)
     fixed = service + cluster.transfer_s_per_token * load.input_len + m.step_time(1)
-    return _max_rate(lambda r: fixed + _mdl_wait(r * service, service) <= slo.ttft_s,
+    scv = _prefill_scv_factor(m, load)
+    return _max_rate(lambda r: fixed + _mg1_wait(r * service, service, scv) <= slo.ttft_s,
                      1 / service)
 
 
@@ -113,7 +131,10 @@ def _colocated_ok(m: CapacityModel, load: Load, slo: Slo, chunk: int, rate: floa
     step = m.step_time(batch)
     num_chunks = max(1, math.ceil(load.input_len / chunk))
     prompt = num_chunks * step + load.input_len / m.prefill_tokens_per_s
-    return step / (1 - u) <= slo.tpot_s and prompt + _mdl_wait(u, prompt) <= slo.ttft_s
+    # A prompt's time is about proportional to its length (its chunks and its tokens), so the
+    # wait behind prompts of a mix scales with the length's E[L²]/E[L]².
+    return step / (1 - u) <= slo.tpot_s and \
+        prompt + _mg1_wait(u, prompt, _len_scv_factor(load)) <= slo.ttft_s
 
 
 def colocated_capacity(m: CapacityModel, load: Load, slo: Slo, cluster: Cluster) -> float:
@@ -134,22 +155,33 @@ def score(plan: Plan, m: CapacityModel, load: Load, slo: Slo, cluster: Cluster) 
                             plan.num_decode * decode_capacity(m, load, slo)))
 
 
-def best_plan(m: CapacityModel, load: Load, slo: Slo, cluster: Cluster) -> Scored:
-    """The plan of the most capacity (ties: fewer prefill instances, then disaggregated)."""
+def best_split(m: CapacityModel, load: Load, slo: Slo, cluster: Cluster) -> Scored | None:
+    """The disaggregated plan of the most capacity (ties: fewer prefill instances); None with
+    fewer than two instances."""
     n = cluster.num_instances
-    if n < 1:
-        raise ValueError(f"num_instances must be >= 1, got {n}")
     p_cap, d_cap = prefill_capacity(m, load, slo, cluster), decode_capacity(m, load, slo)
     best: Scored | None = None
     for p in range(1, n):
         s = Scored(Plan(p, n - p), min(p * p_cap, (n - p) * d_cap))
         if best is None or s.capacity > best.capacity:
             best = s
+    return best
+
+
+def best_plan(m: CapacityModel, load: Load, slo: Slo, cluster: Cluster) -> Scored:
+    """The plan of the most capacity (ties: fewer prefill instances, then disaggregated)."""
+    n = cluster.num_instances
+    if n < 1:
+        raise ValueError(f"num_instances must be >= 1, got {n}")
+    best = best_split(m, load, slo, cluster)
     if cluster.allow_colocated or best is None:
         colo = score(Plan(0, 0, n), m, load, slo, cluster)
         if best is None or colo.capacity > best.capacity:
             best = colo
     return best
+
+
+PREFERENCES = ("goodput", "split")
 
 
 @dataclass(frozen=True)
@@ -172,18 +204,49 @@ class Policy:
     force still serves the forecast load, a new plan is adopted only once it has been the best
     one, past the margin, at every decision for ``stable_s`` — a mix that wobbles with the
     sampling noise of a short window then moves nothing. An overloaded plan is not held by it.
+
+    ``prefer``: "goodput" aims at the plan of the most capacity (above). "split" aims at the
+    best disaggregated plan whenever it serves ≥ the forecast load × (1 + ``headroom``) —
+    disaggregation is run for its inter-token latency, which colocated plans give up — and at
+    the plan of the most capacity only when no split keeps up. A split in force is kept while
+    it serves the load itself (a band between load and load × (1 + headroom), so a load near
+    the split's capacity does not move the engines back and forth). A move to the preferred
+    split needs no capacity margin (it trades capacity for latency by design); dwell and
+    stabilization apply as to any move.
     """
 
     def __init__(self, initial: Plan, margin: float = 0.1, min_dwell_s: float = 30.0,
                  now: float = 0.0, urgent_dwell_s: float | None = None,
-                 stable_s: float = 0.0) -> None:
-        if margin < 0 or min_dwell_s < 0 or (urgent_dwell_s or 0) < 0 or stable_s < 0:
-            raise ValueError("margin, min_dwell_s, urgent_dwell_s and stable_s must be >= 0")
+                 stable_s: float = 0.0, prefer: str = "goodput", headroom: float = 0.2) -> None:
+        if margin < 0 or min_dwell_s < 0 or (urgent_dwell_s or 0) < 0 or stable_s < 0 \
+                or headroom < 0:
+            raise ValueError("margin, min_dwell_s, urgent_dwell_s, stable_s and headroom must be "
+                             ">= 0")
+        if prefer not in PREFERENCES:
+            raise ValueError(f"prefer must be one of {', '.join(PREFERENCES)}, got {prefer!r}")
         self.plan, self.margin, self.min_dwell_s = initial, margin, min_dwell_s
         self.urgent_dwell_s = min_dwell_s if urgent_dwell_s is None else urgent_dwell_s
-        self.stable_s = stable_s
+        self.stable_s, self.prefer, self.headroom = stable_s, prefer, headroom
         self.changed_at = now
         self._candidate: tuple[Plan, float] | None = None  # the better plan, best since when
+
+    def _target(self, m: CapacityModel, load: Load, slo: Slo, cluster: Cluster,
+                current: Scored, best: Scored) -> tuple[Scored, str, bool]:
+        """The plan to aim at, the preference rule that chose it ("" without one) and whether
+        the preference chose it (then no capacity margin applies to the move)."""
+        split = best_split(m, load, slo, cluster) if self.prefer == "split" else None
+        if split is None:
+            return best, "", False
+        if not self.plan.is_colocated and current.capacity >= load.rate:
+            better = split.capacity >= current.capacity * (1 + self.margin)
+            kept = split if better else current
+            return kept, (f"split keeps up: {kept.plan} serves {kept.capacity:.2f} ≥ load "
+                          f"{load.rate:.2f}"), True
+        if split.capacity >= load.rate * (1 + self.headroom):
+            return split, (f"split keeps up: {split.plan} serves {split.capacity:.2f} ≥ load "
+                           f"{load.rate:.2f} × {1 + self.headroom:g}"), True
+        return best, (f"split short: {split.plan} serves {split.capacity:.2f} < load "
+                      f"{load.rate:.2f} × {1 + self.headroom:g}, most goodput"), False
 
     def decide(self, now: float, m: CapacityModel, load: Load, slo: Slo,
                cluster: Cluster) -> Decision:
@@ -192,19 +255,23 @@ class Policy:
             return Decision(self.plan, False, "hold: no load forecast (0 req/s)", load, 0.0)
         current = score(self.plan, m, load, slo, cluster)
         best = best_plan(m, load, slo, cluster)
+        target, rule, preferred = self._target(m, load, slo, cluster, current, best)
         what = (f"load {load.rate:.2f} req/s in {load.input_len:.0f}/{load.output_len:.0f} "
                 f"tokens: best {best.plan} serves {best.capacity:.2f}, {self.plan} serves "
                 f"{current.capacity:.2f}")
+        if rule:
+            what = f"{rule}; {what}"
 
         def hold(why: str) -> Decision:
             return Decision(self.plan, False, f"{why}: {what}", load, current.capacity)
 
-        if best.plan == self.plan or best.capacity < current.capacity * (1 + self.margin):
+        if target.plan == self.plan or \
+                (not preferred and target.capacity < current.capacity * (1 + self.margin)):
             self._candidate = None
-            return hold("hold" if best.plan == self.plan else
+            return hold("hold" if target.plan == self.plan else
                         f"hold (within {self.margin:.0%} margin)")
-        if self._candidate is None or self._candidate[0] != best.plan:
-            self._candidate = (best.plan, now)
+        if self._candidate is None or self._candidate[0] != target.plan:
+            self._candidate = (target.plan, now)
         overloaded = load.rate > current.capacity
         stable_for = now - self._candidate[1]
         if not overloaded and stable_for < self.stable_s:
@@ -212,5 +279,5 @@ class Policy:
         dwell = self.urgent_dwell_s if overloaded else self.min_dwell_s
         if now - self.changed_at < dwell:
             return hold(f"hold (dwell {now - self.changed_at:.0f}s < {dwell:.0f}s)")
-        self.plan, self.changed_at, self._candidate = best.plan, now, None
-        return Decision(best.plan, True, f"switch: {what}", load, best.capacity)
+        self.plan, self.changed_at, self._candidate = target.plan, now, None
+        return Decision(target.plan, True, f"switch: {what}", load, target.capacity)

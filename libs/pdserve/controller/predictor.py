@@ -27,6 +27,15 @@ class Load:
     rate: float  # requests per second
     input_len: float  # mean prompt tokens
     output_len: float  # mean generated tokens
+    # E[L_in²], the prompt length's second moment: a prefill queue's wait grows with it
+    # (Pollaczek-Khinchine), and a mix of 24- and 900-token prompts has a far larger one than
+    # its mean alone says. 0 = not known: taken as a constant mix (input_len²).
+    input_len_sq: float = 0.0
+
+    @property
+    def input_len_2nd(self) -> float:
+        """E[L_in²], never below input_len² (the variance cannot be negative)."""
+        return max(self.input_len_sq, self.input_len ** 2)
 
 
 def holt(series: Sequence[float], alpha: float, beta: float, horizon: float) -> float:
@@ -81,18 +90,18 @@ class WorkloadWindow:
             self._arrivals.popleft()
 
     def current(self, now: float) -> Load:
-        """Mean rate and length mix over the window (lengths are token-weighted by count)."""
+        """Mean rate and length mix over the window (lengths are token-weighted by count;
+        with the prompt length's second moment)."""
         self._trim(now)
         arrivals = self._arrivals
         if not arrivals:
             return Load(0.0, 0.0, 0.0)
-        n = len(arrivals)
-        return Load(n / self.window_s, sum(a.input_len for a in arrivals) / n,
-                    sum(a.output_len for a in arrivals) / n)
+        return _load(len(arrivals) / self.window_s, arrivals)
 
     def forecast(self, now: float, horizon_s: float) -> Load:
         """The rate ``horizon_s`` ahead by Holt's trend over the window's buckets; the mix as
-        the latest half of the window has it (mix shifts are followed, not extrapolated)."""
+        the latest half of the window has it (mix shifts are followed, not extrapolated), the
+        prompt length's second moment included."""
         self._trim(now)
         if not self._arrivals:
             return Load(0.0, 0.0, 0.0)
@@ -102,5 +111,13 @@ class WorkloadWindow:
         rate = holt(rates, self.alpha, self.beta, horizon_s / width)
         recent = [a for a in self._arrivals if a.t >= now - self.window_s / 2] or \
             list(self._arrivals)
-        return Load(rate, sum(a.input_len for a in recent) / len(recent),
-                    sum(a.output_len for a in recent) / len(recent))
+        return _load(rate, recent)
+
+
+def _load(rate: float, arrivals: Sequence[Arrival]) -> Load:
+    """``rate`` with the mix of ``arrivals``: mean prompt and answer lengths and the prompt
+    length's second moment, all over the same arrivals (the forecast scales none of them)."""
+    n = len(arrivals)
+    return Load(rate, sum(a.input_len for a in arrivals) / n,
+                sum(a.output_len for a in arrivals) / n,
+                sum(a.input_len ** 2 for a in arrivals) / n)
