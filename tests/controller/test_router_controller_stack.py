@@ -175,8 +175,10 @@ def test_two_flex_engines_move_between_split_and_colocated_and_lose_nothing() ->
         assert all(f.to_role == "colocated" and f.num_handed_back == 0
                    for step in to_colocated for f in step)
         assert all(sorted(f.to_role for f in step) == ["decode", "prefill"] for step in to_split)
-        # leaving colocated, queued prompts went back to the router instead of being waited for
-        assert any(f.num_handed_back for f in to_split[-1]), steps
+        # Leaving colocated, queued prompts go back to the router instead of being waited for.
+        # Whether any is queued at the flip depends on this machine's timing (under load none
+        # may be), so that a flip hands them back is asserted in tests/engine/test_flex_roles.py;
+        # here: never more than it had, and (below) none of them lost.
         assert all(f.num_handed_back <= f.num_in_flight for step in to_split for f in step)
         assert sorted(_roles(up).values()) == [P, D]
         assert len(responses) >= 16
