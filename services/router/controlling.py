@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pdserve.controller.actuator import Actuator, DryRunActuator, InPlaceActuator
+from pdserve.controller.actuator import ROLES, Actuator, DryRunActuator, InPlaceActuator
 from pdserve.controller.capacity import CALIBRATION_FILE, CapacityModel, from_bench_lines
 from pdserve.controller.lease import RedisLease
 from pdserve.controller.loop import Controller, LoopConfig
@@ -90,7 +90,7 @@ def current_plan(samples: Sequence[Sample], flex_only: bool) -> Plan:
     of colocated and prefill/decode engines (a switch that failed half way) is kept as it is:
     no plan the optimizer offers equals it, so the controller moves to one."""
     engines = [s for s in samples if s.is_flex or not flex_only]
-    return Plan(*(sum(s.role == r for s in engines) for r in ("prefill", "decode", "colocated")))
+    return Plan(*(sum(s.role == r for s in engines) for r in ROLES))
 
 
 def make_actuator(config: RouterConfig, pool: InstancePool) -> Actuator:

@@ -28,7 +28,8 @@ from pdserve import auth
 from pdserve.channel import insecure_channel
 from pdserve.controller.monitor import Sample, sample_from_proto
 from pdserve.controller.optimizer import Plan
-from pdserve.proto.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from pdserve.proto.v1 import engine_pb2, engine_pb2_grpc
+from pdserve.roles import Role
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class DryRunActuator(Actuator):
         return []
 
 
-ROLES = ("prefill", "decode", "colocated")
+ROLES = ("prefill", "decode", "colocated")  # what a plan counts, in its order
 # Which engines a new role takes first: to colocated, decode ones before prefill ones (a
 # decode engine's requests are the longest to finish, and it becomes colocated at once); to
 # prefill or decode, colocated ones first (the role that serves both kinds goes last).
@@ -123,10 +124,6 @@ def choose_flips(samples: Sequence[Sample], plan: Plan) -> list[tuple[Sample, st
     return flips
 
 
-_PROTO_ROLE = {"prefill": common_pb2.ROLE_PREFILL, "decode": common_pb2.ROLE_DECODE,
-               "colocated": common_pb2.ROLE_COLOCATED}
-
-
 class InPlaceActuator(Actuator):
     """Switches flex engines (their admin credential presented on every call)."""
 
@@ -177,7 +174,7 @@ class InPlaceActuator(Actuator):
                                            timeout=self.rpc_timeout_s)
                 in_flight = drained.num_in_flight
             step = "SetRole"
-            switched = await stub.SetRole(engine_pb2.SetRoleRequest(role=_PROTO_ROLE[role]),
+            switched = await stub.SetRole(engine_pb2.SetRoleRequest(role=Role(role).proto),
                                           timeout=self.drain_timeout_s)
             step = "Stats"
             stats = await self._stats(address)
