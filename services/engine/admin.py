@@ -54,7 +54,8 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
             prefix_hit_tokens=core.num_prefix_hit_tokens,
             prefill_tokens_computed=core.num_prefill_tokens, kvd=kvd,
             draining=inst.draining, is_flex=inst.is_flex, block_size=inst.block_size,
-            decode_tokens=core.num_decode_tokens, kv_fingerprint=inst.engine.fingerprint)
+            decode_tokens=core.num_decode_tokens, kv_fingerprint=inst.engine.fingerprint,
+            max_prefill_tokens=inst.max_prefill_tokens)
 
     @rpc_handler("Drain")
     async def Drain(self, request: engine_pb2.DrainRequest,
@@ -68,7 +69,7 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
         role = Role.from_proto(request.role)
         if role not in SWITCHABLE:
             raise BadRequest("role must be ROLE_PREFILL, ROLE_DECODE or ROLE_COLOCATED")
-        num_handed_back = await self.instance.set_role(role)
+        num_handed_back = await self.instance.set_role(role, request.max_prefill_tokens)
         return engine_pb2.SetRoleResponse(role=self.instance.role.proto,
                                           num_handed_back=num_handed_back)
 

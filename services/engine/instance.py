@@ -162,9 +162,17 @@ class EngineInstance:
             await self._idle.wait()
         return self.num_in_flight
 
-    async def set_role(self, role: Role) -> int:
+    @property
+    def max_prefill_tokens(self) -> int:
+        """The prompt tokens a step may carry now."""
+        cap = self.engine.scheduler.max_prefill_tokens
+        return self.config.max_num_batched_tokens if cap is None else cap
+
+    async def set_role(self, role: Role, max_prefill_tokens: int = 0) -> int:
         """Flex only: switch to ``role``, accept work again; returns how many queued requests
-        were handed back.
+        were handed back. ``max_prefill_tokens``: the prompt tokens a step may carry from now
+        on (0: the engine's --max-num-batched-tokens), set between two steps, also when the
+        role stays.
 
         To colocated, at once: a colocated engine serves both kinds of call, so whatever was
         admitted in the old role runs on. Otherwise drain; hand back the requests admitted
@@ -178,7 +186,16 @@ class EngineInstance:
         if role not in SWITCHABLE:
             raise BadRequest(f"role: a flex instance switches between prefill, decode and "
                              f"colocated, got {role}")
+        if max_prefill_tokens > self.config.max_num_batched_tokens:
+            raise BadRequest(f"max_prefill_tokens: at most this engine's --max-num-batched-tokens "
+                             f"({self.config.max_num_batched_tokens}), got {max_prefill_tokens}")
+        cap = max_prefill_tokens or None
+
+        def set_cap(engine: Engine) -> None:
+            engine.scheduler.max_prefill_tokens = cap
+
         if role == self.role:
+            await self.aengine.call(set_cap)
             return 0
         num_handed_back = 0
         if role != Role.COLOCATED:
@@ -189,10 +206,11 @@ class EngineInstance:
                                                         HANDED_BACK)))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._idle.wait(), HAND_BACK_POLL_S)
+        await self.aengine.call(set_cap)
         self.role = role
         self.draining = False
-        log.info("role switched", extra={"fields": {"role": role,
-                                                    "handed_back": num_handed_back}})
+        log.info("role switched", extra={"fields": {"role": role, "handed_back": num_handed_back,
+                                                    "max_prefill_tokens": max_prefill_tokens}})
         return num_handed_back
 
     async def load_weights(self, source: str, policy: ReloadPolicy,

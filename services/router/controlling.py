@@ -143,7 +143,8 @@ class RouterController:
             log.warning("controller: no engine to plan for yet (flex engines for in-place)")
         cluster = Cluster(max(1, n), allow_colocated=self.config.controller_colocated)
         loop_config = LoopConfig(self.config.controller_interval,
-                                 self.config.controller_interval, self.slo)
+                                 self.config.controller_interval, self.slo,
+                                 self.config.controller_chunk)
         policy = Policy(plan, self.config.controller_margin, self.config.controller_dwell,
                         now=time.monotonic(), stable_s=self.config.controller_stabilize,
                         prefer=self.config.controller_prefer,

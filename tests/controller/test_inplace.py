@@ -95,3 +95,19 @@ async def test_grpc_source_samples_real_engines_and_skips_unreachable_ones() -> 
         assert latest.prefill_tokens_computed - first[0].prefill_tokens_computed == \
             3 * (len(PROMPT) + 1)
         await source.close()
+
+
+async def test_engines_switched_to_colocated_run_the_controllers_chunk() -> None:
+    async with two_flex() as (a, b):
+        act = InPlaceActuator([_address(a), _address(b)])
+        act.chunk_tokens = 48
+        assert len(await act.apply(Plan(0, 0, 2))) == 2
+        assert [(await c.stats()).max_prefill_tokens for c in (a, b)] == [48, 48]
+        await act.apply(Plan(1, 1))  # a split: each engine's own budget again
+        assert [(await c.stats()).max_prefill_tokens for c in (a, b)] == [512, 512]
+        act.chunk_tokens = 1024  # more than the engines' budget: refused, with the reason
+        with pytest.raises(ActuationError, match=r"SetRole on .* failed: INVALID_ARGUMENT: "
+                           r"max_prefill_tokens: at most this engine's --max-num-batched-tokens "
+                           r"\(512\), got 1024"):
+            await act.apply(Plan(0, 0, 2))
+        await act.close()

@@ -13,6 +13,7 @@ from pdserve.controller.optimizer import (
     Slo,
     best_plan,
     colocated_capacity,
+    colocated_chunk_tokens,
     decode_capacity,
     prefill_capacity,
     score,
@@ -172,3 +173,24 @@ def test_a_wobbling_mix_moves_nothing_within_the_stabilization_window(
         assert switches >= 10
     else:
         assert switches == most
+
+
+@pytest.mark.parametrize(("model", "tpot_s", "chunk"), [
+    (MODEL, 0.050, 32),  # (50 - 11 ms) · 1000 tokens/s = 39 → 32
+    (MODEL, 0.200, 176),  # 189 → 176
+    (MODEL, 1.000, 512),  # 989, but at most the engines' budget
+    (MODEL, 0.012, 16),  # 1 token fits: still one aligned chunk (steps cannot go below it)
+    (CapacityModel(0.0, 2026.0, 0.0106, 0.0, max_batch=40), 0.100, 176),  # the 2-core default
+])
+def test_the_colocated_chunk_fits_a_step_in_the_tpot_slo(model: CapacityModel, tpot_s: float,
+                                                         chunk: int) -> None:
+    assert colocated_chunk_tokens(model, Slo(1.0, tpot_s), 512) == chunk
+
+
+def test_a_smaller_chunk_trades_colocated_ttft_for_its_step_time() -> None:
+    """Rated with its chunk: a prompt takes more steps, so colocated serves fewer RAG
+    requests within the TTFT SLO with 32-token chunks than with 512-token ones."""
+    slo = Slo(ttft_s=2.0, tpot_s=0.050)
+    big = colocated_capacity(MODEL, RAG, slo, Cluster(1, chunk_tokens=512))
+    small = colocated_capacity(MODEL, RAG, slo, Cluster(1, chunk_tokens=32))
+    assert 0 < small < big

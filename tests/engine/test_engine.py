@@ -126,3 +126,29 @@ def test_preemption_picks_the_least_urgent_request() -> None:
     assert reqs["urgent"].num_preemptions == 0
     assert reqs["relaxed"].num_preemptions >= 1
     assert order == ["urgent", "relaxed"]
+
+
+def test_a_prefill_cap_chunks_prompts_without_holding_back_decodes(prompts, alone) -> None:
+    """``max_prefill_tokens`` (a colocated engine's chunk under an ITL bound) caps the prompt
+    tokens of each step; every running answer still gets its token in every step."""
+    engine = make_engine(num_blocks=512, max_num_batched_tokens=512)
+    engine.scheduler.max_prefill_tokens = 16
+    steps: list[tuple[int, int, int]] = []  # prompt tokens, answers scheduled, answers running
+    schedule = engine.scheduler.schedule
+
+    def recording() -> object:
+        decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens
+                       for r in engine.scheduler.running)
+        batch = schedule()
+        prompt = sum(n for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True)
+                     if r.num_computed_tokens < r.num_prompt_tokens)
+        steps.append((prompt, len(batch.reqs) - sum(
+            r.num_computed_tokens < r.num_prompt_tokens for r in batch.reqs), decoding))
+        return batch
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    tokens, _, _ = run_all(engine, prompts)
+    assert tokens == alone
+    assert max(p for p, _, _ in steps) == 16
+    assert all(scheduled == running for _, scheduled, running in steps)
+    assert any(p == 16 and scheduled > 0 for p, scheduled, _ in steps)  # both in one step

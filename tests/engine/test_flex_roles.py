@@ -143,6 +143,30 @@ async def test_set_role_refuses_what_a_flex_engine_cannot_run() -> None:
                                        "ROLE_COLOCATED")
 
 
+async def test_set_role_caps_a_steps_prompt_tokens_and_refuses_more_than_the_budget() -> None:
+    async with serve(EngineServiceConfig(role="flex", num_blocks=64,
+                                         max_num_batched_tokens=256),
+                     engine(tag="flex-cap")) as flex:
+        assert (await flex.stats()).max_prefill_tokens == 256
+        await flex.admin.SetRole(engine_pb2.SetRoleRequest(role=C, max_prefill_tokens=16),
+                                 timeout=60)
+        assert (await flex.stats()).max_prefill_tokens == 16
+        # the same answer in 16-token chunks (the prompt is 76 tokens)
+        chunked = tokens_of(await flex.decode("c", PROMPT * 2, max_tokens=8, ignore_eos=True))
+        await flex.admin.SetRole(engine_pb2.SetRoleRequest(role=C), timeout=60)  # role kept
+        assert (await flex.stats()).max_prefill_tokens == 256
+        whole = tokens_of(await flex.decode("w", PROMPT * 2, max_tokens=8, ignore_eos=True))
+        assert len(whole) == 8 and chunked == whole
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await flex.admin.SetRole(engine_pb2.SetRoleRequest(role=P, max_prefill_tokens=257),
+                                     timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == ("max_prefill_tokens: at most this engine's "
+                                       "--max-num-batched-tokens (256), got 257")
+        stats = await flex.stats()  # refused before anything changed
+        assert (stats.role, stats.max_prefill_tokens, stats.draining) == (C, 256, False)
+
+
 async def _stat(client: Client, name: str, value: int) -> bool:
     return getattr(await client.stats(), name) == value
 

@@ -48,7 +48,12 @@ class Flip:
 
 class Actuator(abc.ABC):
     """``apply`` makes the cluster run ``plan`` and returns what it changed; it raises
-    ``ActuationError`` naming the step that failed. Applying the plan in force is a no-op."""
+    ``ActuationError`` naming the step that failed. Applying the plan in force is a no-op.
+    ``chunk_tokens``: the most prompt tokens a step of an engine switched to colocated may
+    carry (0: the engine's own budget), set by the loop from the TPOT SLO; engines switched
+    to prefill or decode get their own budget back."""
+
+    chunk_tokens = 0
 
     @abc.abstractmethod
     async def apply(self, plan: Plan) -> list[Flip]: ...
@@ -174,8 +179,9 @@ class InPlaceActuator(Actuator):
                                            timeout=self.rpc_timeout_s)
                 in_flight = drained.num_in_flight
             step = "SetRole"
-            switched = await stub.SetRole(engine_pb2.SetRoleRequest(role=Role(role).proto),
-                                          timeout=self.drain_timeout_s)
+            chunk = self.chunk_tokens if role == "colocated" else 0
+            switched = await stub.SetRole(engine_pb2.SetRoleRequest(
+                role=Role(role).proto, max_prefill_tokens=chunk), timeout=self.drain_timeout_s)
             step = "Stats"
             stats = await self._stats(address)
         except grpc.RpcError as exc:
@@ -188,5 +194,6 @@ class InPlaceActuator(Actuator):
         self.confirmed(address, stats)
         log.info("flex engine switched", extra={"fields": {
             "address": address, "from_role": sample.role, "role": role,
-            "in_flight_at_drain": in_flight, "handed_back": switched.num_handed_back}})
+            "in_flight_at_drain": in_flight, "handed_back": switched.num_handed_back,
+            "max_prefill_tokens": stats.max_prefill_tokens}})
         return Flip(address, role, in_flight, switched.num_handed_back)

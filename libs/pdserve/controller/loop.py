@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -27,7 +28,15 @@ from pdserve.controller.actuator import ActuationError, Actuator
 from pdserve.controller.capacity import CalibrationError, CapacityModel, from_stats
 from pdserve.controller.lease import RedisLease
 from pdserve.controller.monitor import ResourceMonitor
-from pdserve.controller.optimizer import Cluster, Decision, Policy, Slo, best_plan
+from pdserve.controller.optimizer import (
+    ENGINE_CHUNK,
+    Cluster,
+    Decision,
+    Policy,
+    Slo,
+    best_plan,
+    colocated_chunk_tokens,
+)
 from pdserve.controller.predictor import Arrival, Load, WorkloadWindow
 
 log = logging.getLogger(__name__)
@@ -60,6 +69,7 @@ class LoopConfig:
     interval_s: float = 10.0
     horizon_s: float = 10.0
     slo: Slo = Slo(2.0, 0.1)
+    chunk_tokens: int = 0  # colocated steps' prompt tokens; 0: from the TPOT SLO each tick
 
 
 class Controller:
@@ -105,6 +115,7 @@ class Controller:
         await self.monitor.poll()
         load = self.window.forecast(now, self.config.horizon_s)
         self._refit(load)
+        self._size_chunk()
         PREDICTED_RATE.set(load.rate)
         leading = self.lease is None or self.lease.is_leader
         IS_LEADER.set(1 if leading else 0)
@@ -127,8 +138,17 @@ class Controller:
         log.info(f"controller decision: {decision.plan} reason={decision.reason}",
                  extra={"fields": {"outcome": outcome, "rate": round(load.rate, 3),
                                    "model_prefill_tps": round(self.model.prefill_tokens_per_s),
+                                   "chunk_tokens": self.cluster.chunk_tokens,
                                    "busy_prefill_tps": round(self._busy_prefill_rate())}})
         return decision
+
+    def _size_chunk(self) -> None:
+        """The colocated chunk the optimizer rates and the actuator sets: the configured one,
+        or the largest whose step fits the TPOT SLO under the model in use."""
+        chunk = self.config.chunk_tokens or colocated_chunk_tokens(self.model, self.config.slo,
+                                                                   ENGINE_CHUNK)
+        self.cluster = dataclasses.replace(self.cluster, chunk_tokens=chunk)
+        self.actuator.chunk_tokens = chunk
 
     def _busy_prefill_rate(self) -> float:
         """The highest prefill tokens/s a busy engine (prompts queued) reported in the window,

@@ -12,7 +12,8 @@ Per-instance capacity under the SLOs (requests/s), each a closed form or a bisec
                rate = b_max / (step(b_max) · output_len)            (Little's law)
     colocated  chunked prefill rides in decode steps: prefill takes u = λ·L_in / r_p of the time,
                TPOT = step(b) / (1 - u), b = λ·L_out·TPOT; TTFT = the M/G/1 wait at u + the
-               prompt's chunks, each a step carrying ``chunk_tokens``
+               prompt's chunks, each a step carrying ``chunk_tokens`` (the controller sizes
+               it from the TPOT SLO: ``colocated_chunk_tokens``)
 
 A disaggregated split serves min(p·cap_prefill, d·cap_decode); colocated N·cap_colocated.
 """
@@ -58,14 +59,29 @@ class Plan:
         return f"{split} {colocated}" if self.num_prefill or self.num_decode else colocated
 
 
+ENGINE_CHUNK = 512  # the engine service's default --max-num-batched-tokens
+
+
 @dataclass(frozen=True)
 class Cluster:
     """What the optimizer may arrange: ``num_instances`` engines and the cost of moving KV."""
 
     num_instances: int
     transfer_s_per_token: float = 0.0  # KV bytes per token / link bandwidth
-    chunk_tokens: int = 512  # colocated: prompt tokens a step carries (max_num_batched_tokens)
+    chunk_tokens: int = ENGINE_CHUNK  # colocated: prompt tokens a step carries
     allow_colocated: bool = True
+
+
+CHUNK_ALIGN = 16  # tokens: a chunk of whole KV blocks at the usual block size
+
+
+def colocated_chunk_tokens(m: CapacityModel, slo: Slo, most: int) -> int:
+    """The prompt tokens a colocated step may carry so that the step — a decode step plus the
+    chunk — stays within the TPOT SLO (Sarathi-Serve's token budget from the inter-token
+    latency objective): (TPOT - step(1)) · prefill rate, in whole ``CHUNK_ALIGN``s, at least
+    one and at most ``most`` (the engines' own budget)."""
+    fits = (slo.tpot_s - m.step_time(1)) * m.prefill_tokens_per_s
+    return max(CHUNK_ALIGN, min(most, int(fits) // CHUNK_ALIGN * CHUNK_ALIGN))
 
 
 def _mg1_wait(rho: float, service_s: float, scv_factor: float) -> float:

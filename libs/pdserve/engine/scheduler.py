@@ -1,11 +1,16 @@
 """Continuous batching from two small managers under one per-step token budget.
 
-    schedule():  budget = max_num_batched_tokens
+    schedule():  budget = max_num_batched_tokens; prompt tokens also <= max_prefill_tokens
       1. DecodeManager  - every running request (most urgent first) gets its next tokens: one
                           for decode, the next chunk for an unfinished prefill. Out of pages ->
                           preempt the least urgent running request (recompute later).
       2. PrefillAdder   - waiting requests (priority, then FIFO) join while budget, seats
                           (max_num_seqs) and pages last; a prefix hit skips cached blocks.
+
+``max_prefill_tokens`` (None: the budget alone) caps the prompt tokens of a step, not its
+decode tokens: a colocated engine whose steps must stay within an inter-token latency takes
+its prompts in smaller chunks while every running answer still gets its token each step
+(the controller sets it, ``SetRoleRequest.max_prefill_tokens``).
 
 A request's life: WAITING -> RUNNING -> FINISHED, or RUNNING -> WAITING on preemption, or
 RUNNING -> HELD for held requests (prefill_only, or ``hold``: pages kept for export until
@@ -85,12 +90,19 @@ class DecodeManager:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
-    def schedule(self, batch: ScheduledBatch, budget: int) -> int:
+    def schedule(self, batch: ScheduledBatch, budget: int, prefill: list[int]) -> int:
+        """``prefill``: [prompt tokens the step may still take], decremented here."""
         self.running.sort(key=Request.sort_key)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens_to_compute, budget)
+            if req.num_computed_tokens < req.num_prompt_tokens:  # the prompt's next chunk
+                num_new = min(num_new, prefill[0])
+                if num_new == 0:
+                    i += 1
+                    continue
+                prefill[0] -= num_new
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()  # least urgent; never one already scheduled
                 self.preempt(victim)
@@ -123,6 +135,7 @@ class PrefillAdder:
 
     def schedule(self, batch: ScheduledBatch, budget: int, waiting: WaitingQueue,
                  decode: DecodeManager) -> int:
+        """``budget``: the step's prompt tokens left (already under any prefill cap)."""
         while waiting and budget > 0 and len(decode.running) < self.max_num_seqs:
             req = waiting.peek()
             # Scoring the prompt (prompt_logprobs) needs every position's hidden state.
@@ -147,6 +160,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens: int | None = None
         self.waiting = WaitingQueue()
         self.decode = DecodeManager(kv)
         self.prefill = PrefillAdder(kv, max_num_seqs)
@@ -160,11 +174,13 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.decode.schedule(batch, self.max_num_batched_tokens)
+        cap = self.max_prefill_tokens
+        prefill = [self.max_num_batched_tokens if cap is None else cap]
+        budget = self.decode.schedule(batch, self.max_num_batched_tokens, prefill)
         for req in batch.preempted:
             self.waiting.push(req)
         if not batch.preempted:  # admitting now would only steal the pages just freed
-            self.prefill.schedule(batch, budget, self.waiting, self.decode)
+            self.prefill.schedule(batch, min(budget, prefill[0]), self.waiting, self.decode)
         return batch
 
     def finish(self, req: Request, reason: str) -> None:
