@@ -25,3 +25,19 @@ def test_2flex_config_compares_the_controller_with_colocated_and_1p1d(workload: 
     assert "--router-arg=--controller-prefer=split" in args  # explicit, not the default's
     assert cfg.run.rates == (1.5, 3.0)
     assert not any("--controller-colocated" in a for a in args)  # colocated allowed (default)
+
+
+@pytest.mark.parametrize("workload", ["mixed", "shifting"])
+def test_50m_2flex_config_also_compares_the_controller_with_a_fixed_chunk(workload: str) -> None:
+    cfg = load_config(CONFIGS / f"controller-2flex-50m-{workload}.toml")
+    pairs = {(c.baseline, c.candidate) for c in cfg.comparisons}
+    assert pairs == {("colocated", "flex2_controller_50m"),
+                     ("disaggregated", "flex2_controller_50m"),
+                     ("colocated_chunk176", "flex2_controller_50m")}
+    assert {c.workload.name for c in cfg.comparisons} == {workload}
+    assert cfg.run.stack_args == ("--model", "bench-50m")
+    assert (cfg.run.slo_ttft_ms, cfg.run.slo_tpot_ms) == (2000, 100)
+    args = cfg.stacks["flex2_controller_50m"].args
+    assert args[args.index("--slo-ttft-ms") + 1] == "2000"  # the router plans for the bench's
+    assert "--router-arg=--controller-prefer=goodput" in args
+    assert "--engine-arg=--max-num-batched-tokens=176" in cfg.stacks["colocated_chunk176"].args

@@ -151,7 +151,7 @@ async def test_set_role_caps_a_steps_prompt_tokens_and_refuses_more_than_the_bud
         await flex.admin.SetRole(engine_pb2.SetRoleRequest(role=C, max_prefill_tokens=16),
                                  timeout=60)
         assert (await flex.stats()).max_prefill_tokens == 16
-        # the same answer in 16-token chunks (the prompt is 76 tokens)
+        # served under the cap (alone, with no answer streaming, a step takes the whole budget)
         chunked = tokens_of(await flex.decode("c", PROMPT * 2, max_tokens=8, ignore_eos=True))
         await flex.admin.SetRole(engine_pb2.SetRoleRequest(role=C), timeout=60)  # role kept
         assert (await flex.stats()).max_prefill_tokens == 256

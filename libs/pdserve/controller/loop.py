@@ -144,9 +144,13 @@ class Controller:
 
     def _size_chunk(self) -> None:
         """The colocated chunk the optimizer rates and the actuator sets: the configured one,
-        or the largest whose step fits the TPOT SLO under the model in use."""
-        chunk = self.config.chunk_tokens or colocated_chunk_tokens(self.model, self.config.slo,
-                                                                   ENGINE_CHUNK)
+        or the largest whose step fits the TPOT SLO under the calibration the loop started
+        from. Not under a refit: colocated engines' Stats count the decode time of their
+        steps against their prefill rate, so a refit while chunking rates prefill slower,
+        which would size a smaller chunk, which would rate it slower still (seen: 176 → 32
+        tokens, at ~460 prompt tokens/s)."""
+        chunk = self.config.chunk_tokens or colocated_chunk_tokens(
+            self.base_model, self.config.slo, ENGINE_CHUNK)
         self.cluster = dataclasses.replace(self.cluster, chunk_tokens=chunk)
         self.actuator.chunk_tokens = chunk
 

@@ -7,10 +7,11 @@
       2. PrefillAdder   - waiting requests (priority, then FIFO) join while budget, seats
                           (max_num_seqs) and pages last; a prefix hit skips cached blocks.
 
-``max_prefill_tokens`` (None: the budget alone) caps the prompt tokens of a step, not its
-decode tokens: a colocated engine whose steps must stay within an inter-token latency takes
-its prompts in smaller chunks while every running answer still gets its token each step
-(the controller sets it, ``SetRoleRequest.max_prefill_tokens``).
+``max_prefill_tokens`` (None: the budget alone) caps the prompt tokens of a step that also
+decodes, not its decode tokens: a colocated engine whose steps must stay within an
+inter-token latency takes its prompts in smaller chunks while answers stream, and every
+running answer still gets its token each step; a step with no answer to stall takes the
+whole budget (the controller sets the cap, ``SetRoleRequest.max_prefill_tokens``).
 
 A request's life: WAITING -> RUNNING -> FINISHED, or RUNNING -> WAITING on preemption, or
 RUNNING -> HELD for held requests (prefill_only, or ``hold``: pages kept for export until
@@ -175,6 +176,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         cap = self.max_prefill_tokens
+        if cap is not None and not any(r.num_computed_tokens >= r.num_prompt_tokens
+                                       for r in self.decode.running):
+            cap = None  # no answer streams: nothing for a long step to stall
         prefill = [self.max_num_batched_tokens if cap is None else cap]
         budget = self.decode.schedule(batch, self.max_num_batched_tokens, prefill)
         for req in batch.preempted:
