@@ -121,6 +121,26 @@ def test_a_character_split_across_tokens_is_never_released_half() -> None:
     assert "" in pieces and all("\ufffd" not in p for p in pieces)
 
 
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_stray_bytes_are_released_within_five_tokens(name: str) -> None:
+    """A random model's output can run lone UTF-8 continuation bytes for many tokens; such a
+    sequence never completes, so after four more tokens its U+FFFD and the text after it are
+    released, not held to the end of the answer (the gateway sent such an answer's last 67
+    tokens in one chunk, 1.8 s late)."""
+    tok = TOKENIZERS[name]()
+    stray = [next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd")]  # a byte
+    ids = tok.encode("ok ", add_special_tokens=False) + stray * 12 + \
+        tok.encode(" then more text follows here", add_special_tokens=False)
+    detok = Detokenizer(tok)
+    pieces, open_for = [], 0
+    for t in ids:
+        detok.append(t)
+        pieces.append(detok.take())
+        open_for = 0 if pieces[-1] else open_for + 1
+        assert open_for <= 5
+    assert "".join(pieces) + detok.finish() == tok.decode(ids)
+
+
 def test_a_stop_string_that_begins_in_the_first_token_stops_the_decode() -> None:
     """The prefill's first token holds back what may begin a stop string; the decode engine,
     replaying that token, finds the match with the next one."""
