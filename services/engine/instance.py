@@ -164,15 +164,15 @@ class EngineInstance:
 
     @property
     def max_prefill_tokens(self) -> int:
-        """The prompt tokens a step may carry now."""
+        """The prompt tokens a step that also decodes may carry now."""
         cap = self.engine.scheduler.max_prefill_tokens
         return self.config.max_num_batched_tokens if cap is None else cap
 
     async def set_role(self, role: Role, max_prefill_tokens: int = 0) -> int:
         """Flex only: switch to ``role``, accept work again; returns how many queued requests
-        were handed back. ``max_prefill_tokens``: the prompt tokens a step may carry from now
-        on (0: the engine's --max-num-batched-tokens), set between two steps, also when the
-        role stays.
+        were handed back. ``max_prefill_tokens``: the prompt tokens a step that also decodes
+        may carry from now on (0: the engine's --max-num-batched-tokens), set between two
+        steps, also when the role stays.
 
         To colocated, at once: a colocated engine serves both kinds of call, so whatever was
         admitted in the old role runs on. Otherwise drain; hand back the requests admitted

@@ -120,8 +120,8 @@ class RouterConfig(GrpcServiceConfig):
         "to colocated); false keeps a prefill/decode split")
     controller_chunk: int = setting(
         0, int_kind(0), "prompt tokens a step of an engine the controller switches to "
-        "colocated may carry; 0: sized from the TPOT SLO and the capacity model (a decode step "
-        "plus the chunk within --slo-tpot-ms), at most the engine default's 512")
+        "colocated may carry; 0: sized from the TPOT SLO and the starting calibration (a "
+        "decode step plus the chunk within --slo-tpot-ms), at most the engine default's 512")
     controller_lease_ms: int = setting(5000, int_kind(30), "leader lease among routers sharing "
                                        "Redis (ms); a dead leader's lapses after this")
     slo_admission: str = setting("off", choice_kind(*SLO_ADMISSION_MODES),
