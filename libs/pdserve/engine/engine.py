@@ -190,7 +190,7 @@ class Engine:
                                f"held by {self._num_held()} prefill_only requests")
         results = iter(zip(sampled.token_ids, sampled.logprobs, strict=True) if sampled else ())
         for req, num_new in zip(batch.reqs, batch.num_new_tokens, strict=True):
-            is_prefill = num_new > 1 or req.num_computed_tokens < req.num_prompt_tokens
+            is_prefill = num_new > 1 or req.is_prefilling
             kind = "prefill" if is_prefill else "decode"
             self._counters[kind] += num_new
             req.num_computed_tokens += num_new

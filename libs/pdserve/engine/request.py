@@ -74,6 +74,11 @@ class Request:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def is_prefilling(self) -> bool:
+        """Some of the prompt is still to compute (a chunk, or a recompute after preemption)."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status in (RequestStatus.HELD, RequestStatus.FINISHED)
 

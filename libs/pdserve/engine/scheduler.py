@@ -91,29 +91,29 @@ class DecodeManager:
         self.running: list[Request] = []
         self.num_preemptions = 0
 
-    def schedule(self, batch: ScheduledBatch, budget: int, prefill: list[int]) -> int:
-        """``prefill``: [prompt tokens the step may still take], decremented here."""
+    def schedule(self, batch: ScheduledBatch, budget: int, prefill: int) -> tuple[int, int]:
+        """``prefill``: the prompt tokens the step may take. Returns both budgets left."""
         self.running.sort(key=Request.sort_key)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens_to_compute, budget)
-            if req.num_computed_tokens < req.num_prompt_tokens:  # the prompt's next chunk
-                num_new = min(num_new, prefill[0])
+            if req.is_prefilling:  # the prompt's next chunk
+                num_new = min(num_new, prefill)
                 if num_new == 0:
                     i += 1
                     continue
-                prefill[0] -= num_new
+                prefill -= num_new
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()  # least urgent; never one already scheduled
                 self.preempt(victim)
                 batch.preempted.append(victim)
                 if victim is req:
-                    return budget
+                    return budget, prefill
             batch.add(req, num_new)
             budget -= num_new
             i += 1
-        return budget
+        return budget, prefill
 
     def preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -176,15 +176,13 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         cap = self.max_prefill_tokens
-        if cap is not None and not any(r.num_computed_tokens >= r.num_prompt_tokens
-                                       for r in self.decode.running):
-            cap = None  # no answer streams: nothing for a long step to stall
-        prefill = [self.max_num_batched_tokens if cap is None else cap]
-        budget = self.decode.schedule(batch, self.max_num_batched_tokens, prefill)
+        if cap is None or all(r.is_prefilling for r in self.decode.running):
+            cap = self.max_num_batched_tokens  # no answer streams: nothing to stall
+        budget, prefill = self.decode.schedule(batch, self.max_num_batched_tokens, cap)
         for req in batch.preempted:
             self.waiting.push(req)
         if not batch.preempted:  # admitting now would only steal the pages just freed
-            self.prefill.schedule(batch, min(budget, prefill[0]), self.waiting, self.decode)
+            self.prefill.schedule(batch, min(budget, prefill), self.waiting, self.decode)
         return batch
 
     def finish(self, req: Request, reason: str) -> None:
