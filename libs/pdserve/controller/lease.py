@@ -5,7 +5,9 @@
     release   Lua: if GET key == holder then DEL key           (on a clean stop)
 
 A leader that dies stops renewing; its lease expires within ``ttl_ms`` and the next contender's
-acquire (every ``ttl_ms / 3``) wins. A leader that fails to renew stops acting at once.
+acquire (every ``ttl_ms / 3``) wins. A leader that fails to renew stops acting at once; so does
+one whose renew has no answer within ``ttl_ms`` (by then the lease may be another's), whatever
+timeouts the client it was given has.
 """
 
 from __future__ import annotations
@@ -50,14 +52,16 @@ class RedisLease:
     async def try_acquire(self) -> bool:
         """Acquire if free, renew if ours; the answer is whether we lead now."""
         try:
-            if self.is_leader:
-                self.is_leader = bool(await self._renew(keys=[self.key],
-                                                        args=[self.holder, self.ttl_ms]))
-            else:
-                self.is_leader = bool(await self.client.set(self.key, self.holder, nx=True,
-                                                            px=self.ttl_ms))
-        except redis.exceptions.RedisError as exc:
-            log.warning("lease: redis error, not leading", extra={"fields": {"error": str(exc)}})
+            async with asyncio.timeout(self.ttl_ms / 1000):
+                if self.is_leader:
+                    self.is_leader = bool(await self._renew(keys=[self.key],
+                                                            args=[self.holder, self.ttl_ms]))
+                else:
+                    self.is_leader = bool(await self.client.set(self.key, self.holder, nx=True,
+                                                                px=self.ttl_ms))
+        except (redis.exceptions.RedisError, TimeoutError) as exc:
+            log.warning("lease: redis error, not leading",
+                        extra={"fields": {"error": str(exc) or type(exc).__name__}})
             self.is_leader = False
         return self.is_leader
 
@@ -81,5 +85,10 @@ class RedisLease:
                 await self._task
             self._task = None
         if release and self.is_leader:
-            await self._release(keys=[self.key], args=[self.holder])
+            try:
+                async with asyncio.timeout(self.ttl_ms / 1000):
+                    await self._release(keys=[self.key], args=[self.holder])
+            except (redis.exceptions.RedisError, TimeoutError) as exc:  # it expires by itself
+                log.warning("lease: not released, it expires within ttl_ms",
+                            extra={"fields": {"error": str(exc) or type(exc).__name__}})
         self.is_leader = False
