@@ -2,6 +2,7 @@
 
     pdserve bench compare                          # bench/configs/default.toml -> bench-results/
     pdserve bench compare --config bench/configs/gpu.toml --only routing --profile
+    pdserve bench compare --config C --rates 1.5 --num-requests 80   # [run] overridden
 
 For each comparison in the config file, each side's stack is started (``pdserve up <args>``
 from its own TOML file), warmed up, driven at every rate, and stopped before the other side
@@ -185,15 +186,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="append", default=[], help="run only this comparison")
     p.add_argument("--profile", action="store_true",
                    help="profile each stack (PDSERVE_PROFILE_DIR; py-spy when installed)")
+    p.add_argument("--rates", type=float, nargs="+", metavar="REQ_S",
+                   help="these request rates instead of the config's [run] rates")
+    p.add_argument("--num-requests", type=int, metavar="N",
+                   help="N requests per rate instead of the config's [run] num_requests")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def _override(cfg: BenchConfig, ns: argparse.Namespace) -> BenchConfig:
+    """The config with the command line's --rates / --num-requests in its [run] table."""
+    changes: dict[str, object] = {}
+    if ns.rates is not None:
+        changes["rates"] = tuple(ns.rates)
+    if ns.num_requests is not None:
+        changes["num_requests"] = ns.num_requests
+    if not changes:
+        return cfg
+    try:
+        return replace(cfg, run=replace(cfg.run, **changes))
+    except ConfigError as e:  # "[run] rates must be ...": the flag, not the file, said it
+        raise ConfigError(str(e).replace("[run] ", "--rates/--num-requests: ", 1)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
-        cfg = load_config(ns.config, tuple(ns.only))
+        cfg = _override(load_config(ns.config, tuple(ns.only)), ns)
         maker = _maker(cfg)
     except (ConfigError, ValueError) as e:
         print(f"pdserve bench compare: error: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@ results, and a whole comparison against fake stacks (real HTTP servers started a
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -240,3 +241,29 @@ def test_shipped_controller_shifting_config_loads() -> None:
     assert {c.workload.name for c in cfg.comparisons} == {"shifting"}
     assert set(cfg.stacks) >= {"colocated3", "fixed_2p1d", "flex3_controller"}
     assert "--controller" in cfg.stacks["flex3_controller"].args
+
+
+def test_rates_and_num_requests_from_the_command_line(tmp_path: Path) -> None:
+    cfg = _write_configs(tmp_path)
+    out = tmp_path / "results"
+    assert main(["--config", str(cfg), "--out-dir", str(out), "--no-progress",
+                 "--rates", "80", "--num-requests", "4"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    for conf in report["comparisons"][0]["configurations"].values():
+        assert [r["rate"] for r in conf["rates"]] == [80]
+    runs = json.loads((out / "runs" / "speed" / "fast.json").read_text())
+    assert [len(r["requests"]) for r in runs["runs"]] == [4]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--rates", "0"], r"--rates/--num-requests: rates must be > 0 requests/s, got \[0.0\]"),
+    (["--num-requests", "0"], "--rates/--num-requests: num_requests must be >= 1, got 0"),
+])
+def test_bad_overrides_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                 flags: list[str], message: str) -> None:
+    cfg = _write_configs(tmp_path)
+    assert main(["--config", str(cfg), "--out-dir", str(tmp_path / "r"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve bench compare: error: ")
+    assert re.search(message, err), err
+    assert not (tmp_path / "r").exists()  # nothing started, nothing written
