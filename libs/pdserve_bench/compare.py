@@ -196,15 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _override(cfg: BenchConfig, ns: argparse.Namespace) -> BenchConfig:
     """The config with the command line's --rates / --num-requests in its [run] table."""
-    changes: dict[str, object] = {}
-    if ns.rates is not None:
-        changes["rates"] = tuple(ns.rates)
-    if ns.num_requests is not None:
-        changes["num_requests"] = ns.num_requests
-    if not changes:
+    if ns.rates is None and ns.num_requests is None:
         return cfg
+    rates = cfg.run.rates if ns.rates is None else tuple(ns.rates)
+    num = cfg.run.num_requests if ns.num_requests is None else ns.num_requests
     try:
-        return replace(cfg, run=replace(cfg.run, **changes))
+        return replace(cfg, run=replace(cfg.run, rates=rates, num_requests=num))
     except ConfigError as e:  # "[run] rates must be ...": the flag, not the file, said it
         raise ConfigError(str(e).replace("[run] ", "--rates/--num-requests: ", 1)) from None
 
