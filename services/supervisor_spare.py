@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
 
-from pdserve.procs import Proc, die_with_parent
+from pdserve.procs import Proc, child_argv
 
 ENGINE_MODULES = ("services.prefill", "services.decode", "services.engine")
 
@@ -36,17 +35,10 @@ class WarmProc(Proc):
         return self.args[self.args.index("-m") + 1]
 
     def start_spare(self, env: dict[str, str]) -> None:
-        cpus = self.cpus
-
-        def pin() -> None:
-            die_with_parent()
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
         self.spare = subprocess.Popen(
-            [self.args[0], "-m", __name__, self.module], cwd=self.cwd, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=pin, process_group=0)
+            child_argv([self.args[0], "-m", __name__, self.module], self.cpus), cwd=self.cwd,
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, process_group=0)
 
     @property
     def has_spare(self) -> bool:

@@ -1,12 +1,11 @@
 """Child processes under a supervisor (``pdserve up``, the namespace cluster): each started
-in its own process group with the supervisor's death as its own (PR_SET_PDEATHSIG), ready
-once it prints
+in its own process group with the supervisor's death as its own (PR_SET_PDEATHSIG, set by an
+exec shim, not a ``preexec_fn``: grpc/grpc#43055), ready once it prints
 ``pdserve <name> listening on <host>:<port>``, its log kept; and a private ``redis-server``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import re
@@ -31,10 +30,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def die_with_parent() -> None:
-    """In a child, before exec: SIGTERM it when its supervisor dies, even by SIGKILL
-    (PR_SET_PDEATHSIG; kept across exec, also through ``ip netns exec``)."""
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+# Run first in every child, in place of a ``preexec_fn``: a ``preexec_fn`` makes ``subprocess``
+# fork() instead of vfork(), and gRPC's fork handlers then restart its poller in the child
+# between fork and exec, which may abort on ``epoll_wait: Bad file descriptor`` before the
+# command runs (grpc/grpc#43055, grpcio >= 1.80; it killed a netns cluster's engine at start).
+# This shim is already exec'd: it sets the parent-death signal (kept across exec, also through
+# ``ip netns exec``), gives up if the supervisor is already gone, pins, and execs the command.
+_SHIM = """
+import ctypes, os, signal, sys
+parent, cpus, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+if os.getppid() != parent:
+    sys.exit(f"pdserve: not starting {argv[0]}: its supervisor (pid {parent}) is gone")
+if cpus:
+    os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+try:
+    os.execvp(argv[0], argv)
+except OSError as exc:
+    sys.exit(f"pdserve: cannot run {argv[0]}: {exc.strerror}")
+"""
+
+
+def child_argv(args: Sequence[str], cpus: set[int] | None = None) -> list[str]:
+    """``args`` as a supervised child runs them: SIGTERM'd when this process dies, even by
+    SIGKILL (PR_SET_PDEATHSIG), and pinned to ``cpus`` when given. Start it with
+    ``subprocess.Popen`` and no ``preexec_fn`` (see ``_SHIM``)."""
+    if not args:
+        raise ValueError("child_argv: no command")
+    return [sys.executable, "-I", "-S", "-c", _SHIM, str(os.getpid()),
+            ",".join(str(c) for c in sorted(cpus or ())), *args]
 
 
 def redis_server_exe() -> str | None:
@@ -61,9 +85,9 @@ def start_redis(exe: str, host: str, port: int, password: str = "",
     config = f'port {port}\nbind {host}\nsave ""\nappendonly no\n'
     if password:
         config += f"requirepass {password}\n"
-    proc = subprocess.Popen([*prefix, exe, "-"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen(child_argv([*prefix, exe, "-"]), stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=die_with_parent, process_group=0)
+                            process_group=0)
     assert proc.stdin is not None
     proc.stdin.write(config.encode())
     proc.stdin.close()
@@ -99,18 +123,11 @@ class Proc:
     _stderr_reader: threading.Thread | None = field(default=None, repr=False)
 
     def start(self, env: dict[str, str]) -> None:
-        cpus = self.cpus
-
-        def pin() -> None:
-            die_with_parent()
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
         self.log_tail = []  # this life's lines only (a restart's bind failure is judged on them)
         # Its own process group: a terminal's Ctrl-C reaches the supervisor only (which stops
         # the children in order), and a stale child is killed with whatever it started.
-        self.popen = subprocess.Popen(self.args, cwd=self.cwd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, preexec_fn=pin,
+        self.popen = subprocess.Popen(child_argv(self.args, self.cpus), cwd=self.cwd, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       process_group=0)
         self._stderr_reader = threading.Thread(target=self._drain_stderr, daemon=True)
         self._stderr_reader.start()

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve import auth
 from pdserve.env import LOG_LEVEL_VAR, SECRET_VAR
 from pdserve.kvd.client import KvdClient
-from pdserve.procs import Proc, die_with_parent
+from pdserve.procs import Proc, child_argv
 from pdserve.proto.v1 import common_pb2
 from pdserve_bench.cluster import ROOT, ClusterSpec, NetnsCluster
 from pdserve_bench.compare import router_counters, with_hit_rate
@@ -57,9 +57,9 @@ def _env(secret: str = "") -> dict[str, str]:
 
 
 def _peer(node: NetNode, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([*node.exec_args(), sys.executable, "-m",
-                             "pdserve_bench.cluster_peers", *args], cwd=ROOT, env=_env(),
-                            stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    return subprocess.Popen(child_argv([*node.exec_args(), sys.executable, "-m",
+                                        "pdserve_bench.cluster_peers", *args]), cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, text=True)
 
 
 def _result(proc: subprocess.Popen[str], timeout: float = 600) -> dict[int, float]:
