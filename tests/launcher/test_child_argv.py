@@ -1,13 +1,12 @@
 """Supervised children start through ``child_argv`` (no ``preexec_fn``): pinned when asked,
 SIGTERM'd when their supervisor dies even by SIGKILL, a missing command named; and a parent
-with live gRPC calls in flight starts them without the fork-time abort of grpc/grpc#43055."""
+holding a gRPC channel starts them without the fork-time abort of grpc/grpc#43055."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -79,32 +78,24 @@ def test_a_missing_command_is_named() -> None:
         child_argv([])
 
 
-def test_children_start_while_grpc_calls_are_in_flight() -> None:
-    """The parent keeps unary calls going on a live channel from a thread while it starts
-    children as a supervisor does; every child must run its command."""
+def test_children_start_beside_an_idle_grpc_channel() -> None:
+    """A supervisor that has made a gRPC call and holds the channel idle starts children: with
+    a ``preexec_fn`` (fork, gRPC's fork handlers run) ~1% of them aborted before exec on
+    ``epoll_wait error: Bad file descriptor`` here (grpcio 1.85: this test with the old
+    ``preexec_fn`` start failed 4 runs of 4); through ``child_argv`` every one must run."""
     server = grpc.server(ThreadPoolExecutor(2))
     health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    stop = threading.Event()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    stub = health_pb2_grpc.HealthStub(channel)
-
-    def calls() -> None:
-        while not stop.is_set():
-            stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
-
-    caller = threading.Thread(target=calls, daemon=True)
-    caller.start()
     try:
-        for i in range(40):
-            proc = Proc(f"c{i}", [PY, "-c", "print('pdserve c listening on 127.0.0.1:1')"], 1)
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        for i in range(300):
+            proc = Proc(f"c{i}", ["echo", "pdserve c listening on 127.0.0.1:1"], 1)
             proc.start(dict(os.environ))
             assert proc.popen is not None
             out, _ = proc.popen.communicate(timeout=30)
             assert proc.popen.returncode == 0 and "listening" in out, (i, proc.log_tail)
     finally:
-        stop.set()
-        caller.join(10)
         channel.close()
         server.stop(None)
