@@ -43,6 +43,10 @@ class Cluster:
         for hook in svc.on_start:
             await hook()
         router: Router = svc.on_start[0].__self__  # type: ignore[attr-defined]
+        # A check waits for a connection (wait_for_ready) up to max(2 s, poll_interval): with
+        # the 30 s above a stopped engine's check took 30 s. Judge it in 2 s, as at the
+        # default 1 s poll interval.
+        router.pool.check_timeout = 2.0
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}")
 
         async def close() -> None:

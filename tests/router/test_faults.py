@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from pathlib import Path
 
 import grpc
@@ -192,6 +193,7 @@ async def test_unhealthy_instance_leaves_and_returns(cluster: Cluster) -> None:
     a, b = await cluster.engine("A", "prefill"), await cluster.engine("B", "prefill")
     d = await cluster.engine("D", "decode")
     router, client = await cluster.router([a, b], [d], policy="round_robin")
+    router.pool.check_timeout = 0.5  # a stopped engine's check: out in 0.5 s, not 30
     port = b.port
     await b.stop()
     await router.poll()
@@ -200,7 +202,11 @@ async def test_unhealthy_instance_leaves_and_returns(cluster: Cluster) -> None:
     for _ in range(3):
         assert (await client.generate(ids=PROMPT))[0].placement.prefill_instance == "A"
     await b.start(port)
-    await router.poll()
+    deadline = time.monotonic() + 10  # polls (and the recheck loop) wait out gRPC's reconnect
+    while not {i.instance_id for i in router.cluster_state().instances if i.healthy} >= {"B"}:
+        assert time.monotonic() < deadline, "B did not return within 10 s of its restart"
+        await router.poll()
+        await asyncio.sleep(0.1)
     placements = {(await client.generate(ids=PROMPT))[0].placement.prefill_instance
                   for _ in range(2)}
     assert placements == {"A", "B"}
