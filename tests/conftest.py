@@ -15,6 +15,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # `services` is importable from the repo root
 
 
+def is_running(pid: int) -> bool:
+    """A process ``pid`` exists and has not exited: a zombie (exited, not yet reaped by its
+    parent) has."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 class RedisServer:
     """A private ``redis-server`` on a free loopback port, with nothing kept on disk."""
 

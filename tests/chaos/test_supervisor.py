@@ -12,21 +12,13 @@ import pytest
 
 from pdserve import stackfile
 from pdserve_bench.chaos import ChaosStack
+from tests.conftest import is_running
 
 ARGS = ["--model", "tiny", "--prefill", "1", "--decode", "1", "--kvd-capacity-mib", "16"]
 
 
 def _alive(pids: dict[str, int]) -> dict[str, int]:
-    return {n: p for n, p in pids.items() if stackfile.start_time(p) is not None
-            and not _is_zombie(p)}
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        return False
+    return {n: p for n, p in pids.items() if is_running(p)}
 
 
 @pytest.mark.slow

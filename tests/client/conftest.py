@@ -61,7 +61,8 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 async def _serve(certs: Path | None) -> AsyncIterator[LocalRouter]:
     # max_wait=0: the dead engine never comes back here, so the router answers at once
-    # instead of waiting for a restart (its default, up to 30 s a request).
+    # instead of waiting for a restart (its default, up to 30 s a request). The health check
+    # timeout follows the poll interval (at least 2 s): 2 s, not 30, for the dead engine.
     config = RouterConfig(port=0, decode=(f"127.0.0.1:{free_port()}",), poll_interval=2.0,
                           max_wait=0.0)
     router = build_router(config, load_model_spec("tiny"))

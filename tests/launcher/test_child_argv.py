@@ -16,20 +16,9 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.procs import Proc, child_argv
+from tests.conftest import is_running
 
 PY = sys.executable
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not reaped by its new parent yet) counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_child_is_pinned_when_asked() -> None:
@@ -61,7 +50,7 @@ def test_a_child_dies_with_its_supervisor_even_by_sigkill() -> None:
         sup.kill()
         sup.wait()
         deadline = time.monotonic() + 10
-        while _alive(child):
+        while is_running(child):
             assert time.monotonic() < deadline, "the child outlived its SIGKILLed supervisor"
             time.sleep(0.05)
     finally:
