@@ -94,9 +94,13 @@ def make_server(host: str, port: int, services: Sequence[tuple[Any, Any, str]],
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable(server, [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name])
-    bound = server.add_insecure_port(f"{_bracket(host)}:{port}")
+    try:  # grpcio >= 1.6x raises where older ones returned 0
+        bound = server.add_insecure_port(f"{_bracket(host)}:{port}")
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind {host}:{port} (in use, or not an address of this "
+                      "host)") from exc
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise OSError(f"cannot bind {host}:{port} (in use, or not an address of this host)")
     return Service(server, bound, health_servicer, names)
 
 

@@ -7,8 +7,10 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -16,6 +18,7 @@ from pdserve.env import LOG_LEVEL_VAR
 from pdserve.hashing import block_checksum
 from pdserve.kvd.client import CommitEntry, KvdClient
 from pdserve.kvd.layout import BlockLayout
+from pdserve.procs import BIND_FAILED
 from pdserve.proto.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,12 +26,30 @@ LAYOUT = BlockLayout(16, 16, 8, 128, "bfloat16")  # 1 MiB per block
 MIB = 1 << 20
 
 
+_STDERR: dict[int, IO[str]] = {}  # pid -> the file a spawned process writes its stderr to
+
+
 def spawn(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """Start ``python args``; return it and its first stdout line ('' when it exited first; its
+    last stderr lines are then in ``stderr_tail``)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'libs'}", LOG_LEVEL_VAR: "warning"}
+    err = tempfile.TemporaryFile("w+")  # noqa: SIM115 -- outlives this call: stderr_tail reads it
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.PIPE, stderr=err)
+    _STDERR[proc.pid] = err
     assert proc.stdout is not None
     return proc, proc.stdout.readline().strip()
+
+
+def stderr_tail(proc: subprocess.Popen[str], lines: int = 5) -> str:
+    """The last ``lines`` of what a ``spawn``ed process that exited wrote to stderr."""
+    proc.wait(timeout=30)
+    err = _STDERR.pop(proc.pid, None)
+    if err is None:
+        return ""
+    with err:
+        err.seek(0)
+        return "\n".join(err.read().splitlines()[-lines:])
 
 
 class KvdPair:
@@ -94,23 +115,46 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+class PortTaken(Exception):
+    """A kvd's port was taken between picking it and binding it."""
+
+
 def _kvd(capacity_mib: int, port: int, peer: str, *extra: str
          ) -> tuple[subprocess.Popen[str], str]:
     """A kvd on ``port`` that accepts ``peer`` as a kvd node (push destinations and Transfer
     callers must be registered: no Redis registry here)."""
     proc, line = spawn(["-m", "services.kvd", "--port", str(port), "--capacity-mib",
-                         str(capacity_mib), "--peers", peer, *extra])
+                        str(capacity_mib), "--peers", peer, *extra])
     if "listening on" not in line:
-        raise RuntimeError(f"kvd did not start: {line!r}")
+        tail = stderr_tail(proc)
+        if BIND_FAILED.search(tail):
+            raise PortTaken(tail)
+        raise RuntimeError(f"kvd did not start (exit code {proc.returncode}): {tail}")
+    _STDERR.pop(proc.pid).close()  # started: its later words are not read
     return proc, line.split("listening on ")[1].split()[0]
 
 
-def kvd_pair(capacity_mib: int, *extra: str) -> tuple[tuple[subprocess.Popen[str], str], ...]:
+def kvd_pair(capacity_mib: int, *extra: str, tries: int = 5
+             ) -> tuple[tuple[subprocess.Popen[str], str], ...]:
     """Two kvds that accept each other as peers (a push destination must be a registered
-    node; there is no Redis registry here)."""
-    ports = _free_ports(2)
-    return (_kvd(capacity_mib, ports[0], f"127.0.0.1:{ports[1]}", *extra),
-            _kvd(capacity_mib, ports[1], f"127.0.0.1:{ports[0]}", *extra))
+    node; there is no Redis registry here). Each must know the other's port before it starts,
+    so both are picked free first; another process (the first kvd's own UCX listener among
+    them) can take the second in between, and then the pair starts again on fresh ports."""
+    last = ""
+    for _ in range(tries):
+        ports = _free_ports(2)
+        started: list[tuple[subprocess.Popen[str], str]] = []
+        try:
+            for mine, other in ((ports[0], ports[1]), (ports[1], ports[0])):
+                started.append(_kvd(capacity_mib, mine, f"127.0.0.1:{other}", *extra))
+            return tuple(started)
+        except PortTaken as exc:
+            for proc, _ in started:
+                proc.terminate()
+                proc.wait(timeout=30)
+            last = str(exc)
+    raise RuntimeError(f"kvd pair: a picked port was taken before it bound, {tries} times; "
+                       f"the last kvd said: {last}")
 
 
 async def kvd_pairs(capacity_mib: int, layout: BlockLayout = LAYOUT
