@@ -4,13 +4,14 @@ Spans cross process boundaries as W3C ``traceparent`` entries in gRPC metadata: 
 ``outbound_metadata()`` and passes the result as ``metadata=``; every servicer's handler runs in
 a server span continuing the caller's trace (``pdserve.rpc.rpc_handler``). With
 ``PDSERVE_OTEL_ENDPOINT`` set, spans are exported over OTLP/gRPC; without it spans carry ids
-(new span ids, the caller's trace id, trace flags and trace state, as the SDK's default
-sampler sets them) and record nothing: the trace still propagates across every hop, at a
-fraction of a recording span's cost per request.
+(new span ids, the caller's trace id, trace flags and trace state, as the SDK's sampler sets
+them: its default, or the one ``OTEL_TRACES_SAMPLER`` names) and record nothing: the trace
+still propagates across every hop, at a fraction of a recording span's cost per request.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -21,6 +22,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import Sampler, _get_from_env_or_default
+
+SAMPLER_VAR = "OTEL_TRACES_SAMPLER"
 
 _initialised = False
 
@@ -45,9 +49,14 @@ def init_tracing(service: str, endpoint: str = "", exporter: SpanExporter | None
 
 
 class _IdsOnlyTracer(trace.Tracer):
-    """Spans with the ids a recording span would get, and nothing recorded (no exporter)."""
+    """Spans with the ids a recording span would get, and nothing recorded (no exporter).
+    ``sampler``: the SDK sampler that sets the flags and trace state; None stands for the
+    SDK's default (parent-based, always on), computed here without its per-span objects."""
 
     _ids = RandomIdGenerator()
+
+    def __init__(self, sampler: Sampler | None = None) -> None:
+        self.sampler = sampler
 
     def start_span(self, name: str, context: otel_context.Context | None = None,
                    kind: trace.SpanKind = trace.SpanKind.INTERNAL, attributes: Any = None,
@@ -63,6 +72,13 @@ class _IdsOnlyTracer(trace.Tracer):
             flags &= parent.trace_flags
         else:
             trace_id, state = self._ids.generate_trace_id(), trace.TraceState()
+        if self.sampler is not None:  # as the SDK's Tracer.start_span applies a sampler
+            result = self.sampler.should_sample(context, trace_id, name, kind, attributes,
+                                                links)
+            random_id = parent.trace_flags.random_trace_id if parent.is_valid else True
+            flags = ((trace.TraceFlags.SAMPLED if result.decision.is_sampled() else 0)
+                     | (trace.TraceFlags.RANDOM_TRACE_ID if random_id else 0))
+            state = result.trace_state or trace.TraceState()
         return trace.NonRecordingSpan(trace.SpanContext(
             trace_id, self._ids.generate_span_id(), is_remote=False,
             trace_flags=trace.TraceFlags(flags),
@@ -75,13 +91,16 @@ class _IdsOnlyTracer(trace.Tracer):
             links: Sequence[trace.Link] | None = None, start_time: int | None = None,
             record_exception: bool = True, set_status_on_exception: bool = True,
             end_on_exit: bool = True) -> Iterator[trace.Span]:
-        span = self.start_span(name, context, kind)
+        span = self.start_span(name, context, kind, attributes, links)
         with trace.use_span(span, end_on_exit=end_on_exit) as current:
             yield current
 
 
 class _IdsOnlyProvider(trace.TracerProvider):
-    _tracer = _IdsOnlyTracer()
+    def __init__(self) -> None:
+        # OTEL_TRACES_SAMPLER (and its _ARG) choose the sampler as they would the SDK's.
+        self._tracer = _IdsOnlyTracer(
+            _get_from_env_or_default() if os.environ.get(SAMPLER_VAR) else None)
 
     def get_tracer(self, *args: Any, **kwargs: Any) -> trace.Tracer:
         return self._tracer
