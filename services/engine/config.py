@@ -70,6 +70,10 @@ class EngineServiceConfig(GrpcServiceConfig):
     packed_weights: bool = setting(
         True, BOOL, "pre-pack the CPU GEMM weights at load: faster decode, but in float32 the "
         "packed copy sits beside the plain weight (several times its size); off = plain only")
+    decode_mirror_mib: int = setting(
+        -1, int_kind(-1),
+        "most MiB the CPU decode mirror may hold (a dense copy of the running decode batch's "
+        "K/V, so a step skips the paged gather); -1 = as much as the KV cache, 0 = none")
     threads: int = setting(0, int_kind(0), "torch CPU threads; 0 = torch's default")
     redis_url: str = redis_url_setting()
     advertise: str = setting("", OPTIONAL_ADDRESS,
@@ -119,7 +123,9 @@ class EngineServiceConfig(GrpcServiceConfig):
                 attention_backend=self.attention_backend, dtype=self.dtype,
                 kv_cache_dtype=self.kv_cache_dtype,
                 device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
-                cuda_graphs=self.cuda_graphs, packed_weights=self.packed_weights)
+                cuda_graphs=self.cuda_graphs, packed_weights=self.packed_weights,
+                decode_mirror_memory_bytes=(None if self.decode_mirror_mib < 0
+                                            else self.decode_mirror_mib << 20))
         except ValueError as exc:
             field, _, rest = str(exc).partition(" ")  # every message starts with its field
             raise ConfigError(f"--{field.replace('_', '-')} {rest}") from exc

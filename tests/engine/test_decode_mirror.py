@@ -9,6 +9,8 @@ import torch
 
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.torch_backend import TorchBackend
+from pdserve.engine.config import EngineArgs
+from tests.engine.helpers import make_engine
 
 PAGE, KVH, HEADS, HD, PAGES, LAYERS = 4, 2, 4, 8, 64, 2
 
@@ -111,3 +113,34 @@ def test_no_mirror_without_request_ids_or_for_a_quantized_cache() -> None:
     caches = [torch.zeros(PAGES, 2, PAGE, KVH, HD, dtype=torch.int8)]
     scales = [torch.ones(PAGES, 2, PAGE, KVH)]
     assert TorchBackend(caches, kv_scales=scales).mirror.max_bytes == 0
+
+
+def test_a_batch_of_new_shape_drops_the_old_copy_before_the_new_one_is_made() -> None:
+    """Old and new buffers are never held together: at most ``max_bytes`` at any moment."""
+    sim = TwoBackends()
+    sim.step([("a", 5), ("b", 3)])
+    assert sim.step([("a", 1), ("b", 1)]) == "refill"
+    mirror = sim.mirrored.mirror
+    assert all(buf is not None for buf in mirror.buffers)
+    sim.step([("c", 2)])  # a third request joins with its prefill
+    mirror.plan(["a", "b", "c"], [sim.seqs[r][0] for r in "abc"],
+                [sim.seqs[r][1] + 1 for r in "abc"], torch.device("cpu"))
+    assert mirror.mode == "refill" and mirror.buffers == [None] * LAYERS
+
+
+def test_the_engine_bounds_its_mirror_by_its_kv_cache_by_default() -> None:
+    engine = make_engine(num_blocks=40)
+    cache_bytes = sum(layer.numel() * layer.element_size() for layer in engine.cache.layers)
+    assert engine.runner.backend.mirror.max_bytes == cache_bytes
+    assert make_engine(num_blocks=40, decode_mirror_memory_bytes=0
+                       ).runner.backend.mirror.max_bytes == 0
+    assert make_engine(num_blocks=40, decode_mirror_memory_bytes=1 << 20
+                       ).runner.backend.mirror.max_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_a_bad_mirror_bound_is_named(value: object) -> None:
+    with pytest.raises(ValueError) as err:
+        EngineArgs(decode_mirror_memory_bytes=value)  # type: ignore[arg-type]
+    assert str(err.value) == ("decode_mirror_memory_bytes must be None or an int >= 0, "
+                              f"got {value!r}")

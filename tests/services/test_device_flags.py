@@ -60,3 +60,18 @@ def test_cuda_where_none_exists_fails_at_start_with_one_line(service: str) -> No
               "torch and the gpu extra" if torch.version.cuda is None else
               "no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)")
     assert proc.stderr == f"pdserve {service}: error: --device 'cuda': {reason}\n"
+
+
+def test_the_decode_mirror_flag_reaches_the_engine_args(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def args(*argv: str) -> EngineArgs:
+        return DecodeConfig.from_argv(["--role", "colocated", *argv], environ={}).engine_args()
+
+    assert args().decode_mirror_memory_bytes is None  # as much as the KV cache
+    assert args("--decode-mirror-mib", "0").decode_mirror_memory_bytes == 0
+    assert args("--decode-mirror-mib", "64").decode_mirror_memory_bytes == 64 << 20
+    with pytest.raises(SystemExit) as exit_:
+        args("--decode-mirror-mib", "-2")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("pdserve decode: error: --decode-mirror-mib: invalid "
+                                       "value '-2' (accepted: an integer >= -1)\n")

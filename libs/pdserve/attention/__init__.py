@@ -55,9 +55,12 @@ def flashinfer_unsupported(kv_cache: torch.Tensor, num_qo_heads: int | None,
 
 def get_backend(name: str, kv_caches: list[torch.Tensor], num_qo_heads: int | None = None,
                 scale: float | None = None, kv_scales: list[torch.Tensor] | None = None,
-                q_dtype: torch.dtype | None = None) -> AttentionBackend:
+                q_dtype: torch.dtype | None = None, mirror_bytes: int | None = None,
+                ) -> AttentionBackend:
     """Build the backend over per-layer caches ``[pages, 2, page_size, kv_heads, head_dim]``
-    (and, quantized, their scales ``[pages, 2, page_size, kv_heads]``)."""
+    (and, quantized, their scales ``[pages, 2, page_size, kv_heads]``). ``mirror_bytes``: the
+    most the torch backend's decode mirror may hold (``decode_mirror.py``; None: its default,
+    0: none)."""
     if not kv_caches:
         raise ValueError("kv_caches must hold one tensor per layer")
     resolved = resolve_backend(name, kv_caches[0].device)
@@ -77,4 +80,4 @@ def get_backend(name: str, kv_caches: list[torch.Tensor], num_qo_heads: int | No
                                  q_dtype=q_dtype)
     from pdserve.attention.torch_backend import TorchBackend
 
-    return TorchBackend(kv_caches, scale=scale, kv_scales=kv_scales)
+    return TorchBackend(kv_caches, scale=scale, kv_scales=kv_scales, mirror_bytes=mirror_bytes)

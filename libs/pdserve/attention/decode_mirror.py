@@ -14,12 +14,14 @@ Why the copy is never stale: a page held by a live sequence changes only by that
 own new tokens (which the store writes to both), prefix-cached pages are full and immutable,
 and the check is on request ids as well as page ids, so a request that reuses a finished
 one's pages never matches. A step the mirror does not serve (a prefill or mixed batch, a
-quantized cache, a batch whose copy exceeds ``MAX_BYTES``) clears it: the next decode
+quantized cache, a batch whose copy exceeds ``max_bytes``) clears it: the next decode
 step refills it.
 
-Costs: one more copy of the decode batch's K/V in memory (``MAX_BYTES`` at most, CPU only:
-CUDA runs FlashInfer's paged kernels, and its memory is planned for the cache alone), and
-one full gather per ``GROW`` steps.
+Costs: one more copy of the decode batch's K/V in memory, at most ``max_bytes`` (an engine
+sets it from ``EngineArgs.decode_mirror_memory_bytes``: by default the KV cache's own size,
+so an engine's K/V memory is at most twice its cache; ``MAX_BYTES`` where nothing sets it).
+CPU only: CUDA runs FlashInfer's paged kernels, and its memory is planned for the cache
+alone. And one full gather per ``GROW`` steps.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import torch
 
 GROW = 64  # tokens of headroom per sequence after a refill
-MAX_BYTES = 1 << 30  # all layers together
+MAX_BYTES = 1 << 30  # all layers together, where no engine setting bounds it
 
 
 class DecodeMirror:
@@ -60,6 +62,10 @@ class DecodeMirror:
             if 2 * len(kv_lens) * cap * self.row_bytes * self.num_layers > self.max_bytes:
                 self.clear(release=True)
                 return
+            if self.buffers[0] is not None and self.buffers[0].shape[1:3] != (len(kv_lens), cap):
+                # New shapes: drop the old buffers before any layer allocates its new one, so
+                # the old and new copies are never held together (max_bytes bounds the peak).
+                self.buffers = [None] * self.num_layers
             self.mode, self.cap = "refill", cap
         self._last = (list(seq_ids), [list(t) for t in page_table], list(kv_lens))
         rows = torch.arange(len(kv_lens)) * self.cap + torch.tensor(kv_lens) - 1

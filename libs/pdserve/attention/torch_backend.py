@@ -111,7 +111,8 @@ class _GroupPlan:
 
 class TorchBackend(AttentionBackend):
     def __init__(self, kv_caches: list[torch.Tensor], scale: float | None = None,
-                 kv_scales: list[torch.Tensor] | None = None, unit_scales: bool = False) -> None:
+                 kv_scales: list[torch.Tensor] | None = None, unit_scales: bool = False,
+                 mirror_bytes: int | None = None) -> None:
         if not kv_caches:
             raise ValueError("kv_caches must hold one tensor per layer")
         self.kv_caches = kv_caches
@@ -127,9 +128,10 @@ class TorchBackend(AttentionBackend):
         self.groups: list[_GroupPlan] = []
         row_bytes = self.num_kv_heads * self.head_dim * kv_caches[0].element_size()
         # CPU only, unquantized: decode_mirror.py says why.
+        if self.device.type != "cpu" or self.quant:
+            mirror_bytes = 0
         self.mirror = DecodeMirror(len(kv_caches), row_bytes,
-                                   MAX_BYTES if self.device.type == "cpu" and not self.quant
-                                   else 0)
+                                   MAX_BYTES if mirror_bytes is None else mirror_bytes)
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         ps, dev = self.page_size, self.device

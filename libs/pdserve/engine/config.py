@@ -49,7 +49,10 @@ class EngineArgs:
     (the model's dtype), "fp8" (e4m3) or "int8", quantized with per-token per-head scales
     (attention/kv_quant.py). packed_weights: pre-pack the CPU GEMM weights at load
     (models/packed.py; faster decode, more weight memory in float32); False keeps only the
-    plain weights."""
+    plain weights. decode_mirror_memory_bytes: the most the torch backend's decode mirror (a
+    dense copy of a running decode batch's K/V, attention/decode_mirror.py; CPU only) may
+    hold; None = as much as the KV cache itself, so K/V memory is at most twice the cache;
+    0 = no mirror."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -65,6 +68,7 @@ class EngineArgs:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     packed_weights: bool = True
+    decode_mirror_memory_bytes: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -77,6 +81,11 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        mirror = self.decode_mirror_memory_bytes
+        if mirror is not None and (isinstance(mirror, bool) or not isinstance(mirror, int)
+                                   or mirror < 0):
+            raise ValueError(f"decode_mirror_memory_bytes must be None or an int >= 0, "
+                             f"got {mirror!r}")
         util = self.gpu_memory_utilization
         if not isinstance(util, int | float) or not math.isfinite(util) or not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")

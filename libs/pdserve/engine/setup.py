@@ -23,6 +23,7 @@ from pdserve.attention import AttentionBackend, get_backend
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.flashinfer_backend import FlashInferBackend
 from pdserve.attention.kv_quant import kv_quant
+from pdserve.attention.torch_backend import TorchBackend
 from pdserve.engine.config import EngineArgs, check_device
 from pdserve.engine.cuda_graphs import DecodeGraphs, try_capture
 from pdserve.engine.kv_cache import PagedKVCache
@@ -63,11 +64,19 @@ def build_parts(lm: LoadedModel, args: EngineArgs, max_model_len: int) -> Engine
             "utilization": args.gpu_memory_utilization}})
     else:
         num_blocks = max(1, args.kv_cache_memory_bytes // per_block)
+    mirror_bytes = args.decode_mirror_memory_bytes
+    if mirror_bytes is None:
+        mirror_bytes = num_blocks * per_block
     use_graphs = device.type == "cuda" and args.cuda_graphs
     cache = PagedKVCache(cfg.num_layers, num_blocks + int(use_graphs), args.block_size,
                          cfg.num_kv_heads, cfg.head_dim, cfg.dtype, device, quant)
     backend = get_backend(args.attention_backend, cache.layers, cfg.num_heads,
-                          kv_scales=cache.layer_scales, q_dtype=cfg.dtype)
+                          kv_scales=cache.layer_scales, q_dtype=cfg.dtype,
+                          mirror_bytes=mirror_bytes)
+    if isinstance(backend, TorchBackend):
+        log.info("KV memory", extra={"fields": {
+            "num_blocks": num_blocks, "cache_mib": round(num_blocks * per_block / 2**20, 1),
+            "decode_mirror_max_mib": round(backend.mirror.max_bytes / 2**20, 1)}})
     cache.unit_scales = quant is not None and isinstance(backend, FlashInferBackend)
     graphs = None
     if use_graphs and isinstance(backend, FlashInferBackend):
