@@ -1,6 +1,7 @@
 """``pdserve bench engine``: pdserve's engine vs transformers ``generate``, same weights, one run.
 
-The ``bench-50m`` built-in is saved as a Hugging Face directory; both sides load it in float32
+The ``bench-50m`` built-in (or ``--model``: another built-in, or a Hugging Face directory such
+as a local SmolLM2) is saved as a Hugging Face directory; both sides load it in float32
 (or ``--dtype``) and get the same random prompts (128 tokens, 128 new tokens, greedy, EOS
 ignored) at each concurrency. Prefill tokens/s = prompt tokens / time to every first token;
 decode tokens/s = the remaining tokens / the remaining time.
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ import torch
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
 from pdserve.models import save_builtin
+from pdserve.models.builtin import BUILTIN_MODELS
 from pdserve.models.loader import weight_bytes
 from pdserve.sampling_params import SamplingParams
 from pdserve_bench.gemm_ceiling import cpu_features, gemm_step_seconds
@@ -54,6 +57,11 @@ class Result:
     # descheduling leaves out; meaningful with --threads 1 (idle OpenMP threads spin).
     decode_cpu_ratio: float = 0.0      # hf decode CPU s / pdserve decode CPU s
     gemm_fraction_cpu: float = 0.0     # ceiling CPU s / pdserve decode CPU s per step
+    # What the run measured, so a controller calibration (--controller-calibration) can
+    # say which model, prompt length and torch threads its numbers are for.
+    model: str = "bench-50m"
+    prompt_len: int = 0
+    threads: int = 0
 
 
 def _prompts(num_seqs: int, prompt_len: int, vocab: int) -> list[list[int]]:
@@ -112,18 +120,24 @@ def run_hf(model: Any, prompts: list[list[int]], new_tokens: int
 
 
 def bench(concurrencies: list[int], prompt_len: int, new_tokens: int,
-          repeats: int = 1, dtype: str = "float32", packed: bool = True) -> list[Result]:
+          repeats: int = 1, dtype: str = "float32", packed: bool = True,
+          model: str = "bench-50m") -> list[Result]:
     """Each side runs ``repeats`` times per concurrency, alternating; the best run counts
-    (shared machines are noisy; the best run is the least disturbed one)."""
+    (shared machines are noisy; the best run is the least disturbed one). ``model``: a
+    built-in name (saved as a Hugging Face directory first) or a Hugging Face directory."""
     import transformers
 
     with tempfile.TemporaryDirectory() as tmp:
-        save_builtin("bench-50m", tmp)
+        path = model if Path(model).is_dir() else tmp
+        if path == tmp:
+            save_builtin(model, tmp)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp, dtype=getattr(torch, dtype)).eval()
+            path, dtype=getattr(torch, dtype)).eval()
         max_seqs = max(concurrencies)
-        engine = Engine.from_model(tmp, EngineArgs(
-            dtype=dtype, max_num_seqs=max_seqs, num_blocks=max_seqs * 20 + 16,
+        context = prompt_len + new_tokens
+        engine = Engine.from_model(path, EngineArgs(
+            dtype=dtype, max_num_seqs=max_seqs,
+            num_blocks=max_seqs * (-(-context // 16) + 4) + 16,
             max_num_batched_tokens=max(2048, prompt_len * 8), packed_weights=packed))
     vocab = engine.config.vocab_size
     warm = _prompts(2, 16, vocab)
@@ -131,7 +145,8 @@ def bench(concurrencies: list[int], prompt_len: int, new_tokens: int,
     run_hf(hf, warm, 4)
     weight_mb = weight_bytes(engine.runner.model) / 2**20
     return [replace(_one_concurrency(engine, hf, n, prompt_len, new_tokens, repeats, dtype),
-                    packed_weights=packed, weight_mb=round(weight_mb, 1))
+                    packed_weights=packed, weight_mb=round(weight_mb, 1), model=model,
+                    prompt_len=prompt_len, threads=torch.get_num_threads())
             for n in concurrencies]
 
 
@@ -181,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true",
                         help="one JSON object per dtype and concurrency")
     parser.add_argument("--quick", action="store_true", help="16 new tokens (smoke run)")
+    parser.add_argument("--model", default="bench-50m",
+                        help="built-in model name or Hugging Face directory (both sides load "
+                             "the same weights)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -200,15 +218,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_len < 1 or new_tokens < 2 or min(args.concurrency) < 1 or args.repeats < 1:
         parser.error("--prompt-len, --concurrency, --repeats must be >= 1, --new-tokens >= 2")
     hardware = cpu_features()
+    if not Path(args.model).is_dir() and args.model not in BUILTIN_MODELS:
+        parser.error(f"--model {args.model!r}: neither a directory nor a built-in model "
+                     f"({', '.join(BUILTIN_MODELS)})")
     results = [r for dtype in args.dtype
                for r in bench(args.concurrency, args.prompt_len, new_tokens, args.repeats, dtype,
-                              args.packed_weights == "on")]
+                              args.packed_weights == "on", args.model)]
     hardware["load_average_after"] = round(os.getloadavg()[0], 2)
     if args.json:
         for r in results:
             print(json.dumps(asdict(r) | {"hardware": hardware}))
     else:
-        print(f"bench-50m, {torch.get_num_threads()} threads, prompt {args.prompt_len} tokens, "
+        print(f"{args.model}, {torch.get_num_threads()} threads, prompt {args.prompt_len} tokens, "
               f"{new_tokens} new tokens, best of {args.repeats}, packed weights "
               f"{args.packed_weights}, weights MB {({r.dtype: r.weight_mb for r in results})}")
         print("hardware: " + ", ".join(f"{k}={v}" for k, v in hardware.items()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Awaitable, Callable
 
@@ -55,7 +56,8 @@ def build_router(config: RouterConfig, model: ModelSpec | None = None,
     admission = AdmissionQueue(config.max_concurrent, config.max_queued)
     controller = maybe_controller(config, pool)
     gate = SloGate(config.slo_admission, config.slo_ttft_ms / 1000, admission, pool,
-                   controller.current_model if controller else calibrated_model,
+                   controller.current_model if controller
+                   else functools.partial(calibrated_model, config.controller_calibration),
                    config.max_wait) if config.slo_admission != "off" else None
     return Router(controller=controller, slo_gate=gate,
         model=model, pool=pool,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.controller.capacity import CalibrationError, starting_model
 from pdserve.controller.optimizer import PREFERENCES
 from pdserve.env import (
     ADDRESSES,
@@ -122,6 +123,10 @@ class RouterConfig(GrpcServiceConfig):
         0, int_kind(0), "prompt tokens a step of an engine the controller switches to "
         "colocated may carry; 0: sized from the TPOT SLO and the starting calibration (a "
         "decode step plus the chunk within --slo-tpot-ms), at most the engine default's 512")
+    controller_calibration: str = setting(
+        "", STR, "a `pdserve bench engine --json` run of the engines' model, dtype and "
+        "--threads to start the capacity model from (and to size --controller-chunk 0 and "
+        "--slo-admission by until Stats refit it); empty: the shipped 2-core bench-50m run")
     controller_lease_ms: int = setting(5000, int_kind(30), "leader lease among routers sharing "
                                        "Redis (ms); a dead leader's lapses after this")
     slo_admission: str = setting("off", choice_kind(*SLO_ADMISSION_MODES),
@@ -136,3 +141,8 @@ class RouterConfig(GrpcServiceConfig):
                               "instances or a Redis registry")
         if self.quotas_file:
             load_quotas(self.quotas_file)  # fail at startup, naming the file, not per request
+        if self.controller_calibration:
+            try:
+                starting_model(self.controller_calibration)
+            except CalibrationError as exc:
+                raise ConfigError(f"--controller-calibration: {exc}") from None

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.controller.actuator import ROLES, Actuator, DryRunActuator, InPlaceActuator
-from pdserve.controller.capacity import CALIBRATION_FILE, CapacityModel, from_bench_lines
+from pdserve.controller.capacity import CapacityModel, starting_model
 from pdserve.controller.lease import RedisLease
 from pdserve.controller.loop import Controller, LoopConfig
 from pdserve.controller.monitor import (
@@ -46,8 +46,6 @@ from services.router.instances import Instance, InstancePool
 
 log = logging.getLogger(__name__)
 
-# The starting model until the engines' Stats determine one: the shipped 2-core bench run.
-CALIBRATION_PROMPT_LEN, MAX_BATCH = 128, 64
 
 
 def _polled(pool: InstancePool) -> list[Instance]:
@@ -104,10 +102,10 @@ def make_actuator(config: RouterConfig, pool: InstancePool) -> Actuator:
 
 
 @functools.cache
-def calibrated_model() -> CapacityModel:
-    """The model to start from: the shipped 2-core bench calibration."""
-    return from_bench_lines(CALIBRATION_FILE.read_text().splitlines(), CALIBRATION_PROMPT_LEN,
-                            MAX_BATCH)
+def calibrated_model(path: str = "") -> CapacityModel:
+    """The model to start from until the engines' Stats determine one: the bench run at
+    ``path`` (--controller-calibration), else the shipped 2-core one."""
+    return starting_model(path)
 
 
 class RouterController:
@@ -117,7 +115,7 @@ class RouterController:
                  model: CapacityModel | None = None) -> None:
         self.config, self.pool = config, pool
         self.slo = Slo(config.slo_ttft_ms / 1000, config.slo_tpot_ms / 1000)
-        self.model = model or calibrated_model()
+        self.model = model or calibrated_model(config.controller_calibration)
         self.window = WorkloadWindow(config.controller_window)
         self.latency = LatencySink(config.controller_window, self.slo.ttft_s, self.slo.tpot_s)
         self.lease: RedisLease | None = None

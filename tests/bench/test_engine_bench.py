@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from pdserve.cli import BENCHMARKS
-from pdserve.models import load_model
+from pdserve.controller.capacity import starting_model
+from pdserve.models import load_model, save_builtin
 from pdserve_bench.engine import Result, format_table, main
 from pdserve_bench.gemm_ceiling import cpu_features, decode_gemms, gemm_step_seconds
 
@@ -45,3 +49,30 @@ def test_it_is_a_pdserve_bench_command(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         main(["--packed-weights", "maybe"])
     assert "--packed-weights: invalid choice: 'maybe'" in capsys.readouterr().err
+
+
+def test_an_unknown_model_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--model", "no-such-model"])
+    assert ("--model 'no-such-model': neither a directory nor a built-in model"
+            in capsys.readouterr().err)
+
+
+def test_its_json_is_a_controller_calibration(capsys: pytest.CaptureFixture[str],
+                                              tmp_path: Path) -> None:
+    """A run on another model (a Hugging Face directory here) names the model, prompt length
+    and threads in each row, and the router's --controller-calibration takes it as it is."""
+    save_builtin("tiny", tmp_path / "tiny")
+    assert main(["--model", str(tmp_path / "tiny"), "--concurrency", "1", "8", "--quick",
+                 "--prompt-len", "64", "--threads", "1", "--json"]) in (0, None)
+    lines = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert [(r["model"], r["prompt_len"], r["threads"], r["num_seqs"]) for r in rows] == [
+        (str(tmp_path / "tiny"), 64, 1, 1), (str(tmp_path / "tiny"), 64, 1, 8)]
+    path = tmp_path / "calibration.jsonl"
+    path.write_text("\n".join(lines))
+    model = starting_model(str(path))
+    assert [b for b, _ in model.decode_points] == [1, 8]
+    assert [t for _, t in model.decode_points] == pytest.approx(
+        [r["num_seqs"] / r["pdserve_decode_tps"] for r in rows])
+    assert model.prefill_tokens_per_s > 0

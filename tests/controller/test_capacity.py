@@ -70,7 +70,7 @@ def test_step_time_follows_the_measured_points_inside_their_range() -> None:
 @pytest.mark.parametrize(("lines", "message"), [
     (['{"num_seqs": 1, "pdserve_decode_tps": 90, "pdserve_prefill_tps": 900}'],
      "need points at two or more distinct sizes"),
-    (['{"num_seqs": 1, "decode_tps": 90}'], "bench line lacks 'pdserve_prefill_tps'"),
+    (['{"num_seqs": 1, "decode_tps": 90}'], "line 1 lacks 'pdserve_prefill_tps'"),
     (['{"num_seqs": 1, "pdserve_decode_tps": 90, "pdserve_prefill_tps": 900}',
       '{"num_seqs": 8, "pdserve_decode_tps": 8, "pdserve_prefill_tps": 900}'],
      "decode: the fitted base step time is 0"),  # 1 s steps at 8: inconsistent with 11 ms at 1

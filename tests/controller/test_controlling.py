@@ -6,8 +6,10 @@ test_loop.py; real processes: test_router_controller_stack.py.)"""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -203,3 +205,51 @@ async def test_routers_sharing_redis_elect_one_controller_and_hand_over() -> Non
         await clients[0].delete(f"{prefix}controller:leader")
         for c in clients:
             await c.aclose()
+
+
+def _bench_rows(prefill_tps: float, model: str = "bench-50m", dtype: str = "float32",
+                prompt_len: int = 128) -> str:
+    rows = [{"num_seqs": n, "pdserve_decode_tps": n / (0.02 + 0.001 * n),
+             "pdserve_prefill_tps": prefill_tps, "dtype": dtype, "model": model,
+             "prompt_len": prompt_len, "threads": 1} for n in (1, 8, 32)]
+    return "\n".join(json.dumps(r) for r in rows) + "\n"
+
+
+async def test_the_controller_starts_from_the_operators_calibration(tmp_path: Path) -> None:
+    path = tmp_path / "calibration.jsonl"
+    path.write_text(_bench_rows(prefill_tps=700.0))
+    cfg = RouterConfig(**BASE, controller="dry-run", controller_calibration=str(path))
+    ctl = maybe_controller(cfg, InstancePool(cfg.prefill, cfg.decode))
+    assert ctl is not None
+    assert ctl.model.prefill_tokens_per_s == pytest.approx(700.0)
+    assert ctl.model.decode_base_s == pytest.approx(0.02)
+    shipped = maybe_controller(RouterConfig(**BASE, controller="dry-run"),
+                               InstancePool(cfg.prefill, cfg.decode))
+    assert shipped is not None and shipped.model.prefill_tokens_per_s > 1500  # the 2-core run
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "--controller-calibration: cannot read '{path}': No such file or directory"),
+    ("not json\n{oops\n", "--controller-calibration: line 2: not JSON"),
+    ('{"num_seqs": 1}\n', "--controller-calibration: line 1 lacks 'pdserve_prefill_tps'"),
+    (_bench_rows(900.0) + _bench_rows(900.0, dtype="bfloat16"),
+     "--controller-calibration: rows of several dtypes or models (bfloat16 bench-50m, "
+     "float32 bench-50m): give the rows of the one the engines run"),
+])
+def test_a_bad_calibration_fails_at_start_naming_the_flag(tmp_path: Path, content: str | None,
+                                                          message: str) -> None:
+    path = tmp_path / "calibration.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError) as err:
+        RouterConfig(**BASE, controller_calibration=str(path))
+    assert str(err.value).startswith(message.format(path=path))
+
+
+def test_a_rows_own_prompt_length_wins() -> None:
+    from pdserve.controller.capacity import from_bench_lines
+
+    short = from_bench_lines(_bench_rows(1000.0, prompt_len=64).splitlines(), 128, 64)
+    assert short.prefill_tokens_per_s == pytest.approx(1000.0)  # tokens/s either way
+    # the decode law does not depend on the prompt length
+    assert short.decode_base_s == pytest.approx(0.02)

@@ -25,6 +25,8 @@ from pdserve.controller.monitor import Sample
 # The shipped starting point: `pdserve bench engine --json` on the 2-core reference machine
 # (bench-50m, --prompt-len 128; docs/benchmarks.md).
 CALIBRATION_FILE = Path(__file__).with_name("calibration-2core.jsonl")
+# The bench's default --prompt-len (rows without their own) and the router's batch bound.
+BENCH_PROMPT_LEN, MAX_BATCH = 128, 64
 
 
 class CalibrationError(ValueError):
@@ -108,22 +110,41 @@ def _measured(decode: Sequence[tuple[float, float]]) -> tuple[tuple[float, float
 
 
 def from_bench_lines(lines: Iterable[str], prompt_len: int, max_batch: int) -> CapacityModel:
-    """Fit from ``pdserve bench engine --json`` output (one JSON object per concurrency;
-    ``prompt_len`` is the bench's ``--prompt-len``)."""
+    """Fit from ``pdserve bench engine --json`` output (one JSON object per concurrency).
+    A row's own ``prompt_len`` wins; ``prompt_len`` stands for rows without one (the bench's
+    ``--prompt-len``, older runs). Rows of several dtypes or models are refused: one engine
+    runs one of each."""
     prefill, decode = [], []
-    for raw in lines:
+    kinds: set[tuple[str, str]] = set()
+    for number, raw in enumerate(lines, 1):
         if not raw.strip().startswith("{"):
             continue  # the bench's table and banner lines
-        row = json.loads(raw)
         try:
+            row = json.loads(raw)
             n, p_tps, d_tps = row["num_seqs"], row["pdserve_prefill_tps"], row["pdserve_decode_tps"]
+        except json.JSONDecodeError as exc:
+            raise CalibrationError(f"line {number}: not JSON ({exc.msg})") from None
         except KeyError as exc:
-            raise CalibrationError(f"bench line lacks {exc.args[0]!r}: expected the output of "
-                                   "`pdserve bench engine --json`") from None
-        tokens = n * prompt_len
+            raise CalibrationError(f"line {number} lacks {exc.args[0]!r}: expected the output "
+                                   "of `pdserve bench engine --json`") from None
+        kinds.add((str(row.get("dtype", "float32")), str(row.get("model", "bench-50m"))))
+        tokens = n * row.get("prompt_len", prompt_len)
         prefill.append((tokens, tokens / p_tps))
         decode.append((n, n / d_tps))
+    if len(kinds) > 1:
+        raise CalibrationError("rows of several dtypes or models "
+                               f"({', '.join(sorted(f'{d} {m}' for d, m in kinds))}): give "
+                               "the rows of the one the engines run")
     return replace(fit(prefill, decode, max_batch), decode_points=_measured(decode))
+
+
+def read_calibration(path: Path, prompt_len: int, max_batch: int) -> CapacityModel:
+    """``from_bench_lines`` of a file; an unreadable file is a CalibrationError too."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise CalibrationError(f"cannot read {str(path)!r}: {exc.strerror}") from None
+    return from_bench_lines(text.splitlines(), prompt_len, max_batch)
 
 
 def from_stats(samples: Iterable[Sample], max_batch: int) -> CapacityModel:
@@ -143,3 +164,11 @@ def from_stats(samples: Iterable[Sample], max_batch: int) -> CapacityModel:
     if base <= 0:
         raise CalibrationError("decode: the fitted base step time is 0; need small batches too")
     return CapacityModel(0.0, float(np.mean(rates)), base, per_seq, max_batch)
+
+
+def starting_model(path: str = "") -> CapacityModel:
+    """The model a controller starts from: the ``pdserve bench engine --json`` run at
+    ``path`` (the operator's, for their model, dtype and threads per engine), else the
+    shipped one."""
+    return read_calibration(Path(path) if path else CALIBRATION_FILE, BENCH_PROMPT_LEN,
+                            MAX_BATCH)
