@@ -33,7 +33,8 @@ def test_50m_2flex_config_also_compares_the_controller_with_a_fixed_chunk(worklo
     pairs = {(c.baseline, c.candidate) for c in cfg.comparisons}
     assert pairs == {("colocated", "flex2_controller_50m"),
                      ("disaggregated", "flex2_controller_50m"),
-                     ("colocated_chunk176", "flex2_controller_50m")}
+                     ("colocated_chunk176", "flex2_controller_50m"),
+                     ("colocated", "flex2_controller_50m_1core")}
     assert {c.workload.name for c in cfg.comparisons} == {workload}
     assert cfg.run.stack_args == ("--model", "bench-50m")
     assert (cfg.run.slo_ttft_ms, cfg.run.slo_tpot_ms) == (2000, 100)
@@ -41,3 +42,15 @@ def test_50m_2flex_config_also_compares_the_controller_with_a_fixed_chunk(worklo
     assert args[args.index("--slo-ttft-ms") + 1] == "2000"  # the router plans for the bench's
     assert "--router-arg=--controller-prefer=goodput" in args
     assert "--engine-arg=--max-num-batched-tokens=176" in cfg.stacks["colocated_chunk176"].args
+
+
+def test_the_1core_stack_starts_its_controller_from_a_shipped_calibration() -> None:
+    from pdserve.controller.capacity import starting_model
+
+    cfg = load_config(CONFIGS / "controller-2flex-50m-mixed.toml")
+    args = cfg.stacks["flex2_controller_50m_1core"].args
+    (flag,) = [a for a in args if "--controller-calibration=" in a]
+    path = CONFIGS.parents[1] / flag.split("=", 2)[2]
+    assert starting_model(str(path)).prefill_tokens_per_s > 0  # loads, fits
+    base = cfg.stacks["flex2_controller_50m"].args
+    assert [a for a in args if a != flag] == list(base)  # nothing else differs
