@@ -73,7 +73,8 @@ class EngineServiceConfig(GrpcServiceConfig):
     decode_mirror_mib: int = setting(
         -1, int_kind(-1),
         "most MiB the CPU decode mirror may hold (a dense copy of the running decode batch's "
-        "K/V, so a step skips the paged gather); -1 = as much as the KV cache, 0 = none")
+        "K/V, so a step skips the paged gather); -1 = as much as the KV cache, at most 1024; "
+        "0 = none")
     threads: int = setting(0, int_kind(0), "torch CPU threads; 0 = torch's default")
     redis_url: str = redis_url_setting()
     advertise: str = setting("", OPTIONAL_ADDRESS,

@@ -9,6 +9,7 @@ import torch
 
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.torch_backend import TorchBackend
+from pdserve.engine import setup
 from pdserve.engine.config import EngineArgs
 from tests.engine.helpers import make_engine
 
@@ -128,10 +129,13 @@ def test_a_batch_of_new_shape_drops_the_old_copy_before_the_new_one_is_made() ->
     assert mirror.mode == "refill" and mirror.buffers == [None] * LAYERS
 
 
-def test_the_engine_bounds_its_mirror_by_its_kv_cache_by_default() -> None:
+def test_the_engine_bounds_its_mirror_by_its_kv_cache_by_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_engine(num_blocks=40)
     cache_bytes = sum(layer.numel() * layer.element_size() for layer in engine.cache.layers)
     assert engine.runner.backend.mirror.max_bytes == cache_bytes
+    monkeypatch.setattr(setup, "MIRROR_MAX_BYTES", cache_bytes // 2)  # a cache over the cap
+    assert make_engine(num_blocks=40).runner.backend.mirror.max_bytes == cache_bytes // 2
     assert make_engine(num_blocks=40, decode_mirror_memory_bytes=0
                        ).runner.backend.mirror.max_bytes == 0
     assert make_engine(num_blocks=40, decode_mirror_memory_bytes=1 << 20

@@ -18,8 +18,8 @@ quantized cache, a batch whose copy exceeds ``max_bytes``) clears it: the next d
 step refills it.
 
 Costs: one more copy of the decode batch's K/V in memory, at most ``max_bytes`` (an engine
-sets it from ``EngineArgs.decode_mirror_memory_bytes``: by default the KV cache's own size,
-so an engine's K/V memory is at most twice its cache; ``MAX_BYTES`` where nothing sets it).
+sets it from ``EngineArgs.decode_mirror_memory_bytes``: by default the KV cache's own size
+up to ``MAX_BYTES``, so an engine's K/V memory is at most twice its cache).
 CPU only: CUDA runs FlashInfer's paged kernels, and its memory is planned for the cache
 alone. And one full gather per ``GROW`` steps.
 """

@@ -51,8 +51,8 @@ class EngineArgs:
     (models/packed.py; faster decode, more weight memory in float32); False keeps only the
     plain weights. decode_mirror_memory_bytes: the most the torch backend's decode mirror (a
     dense copy of a running decode batch's K/V, attention/decode_mirror.py; CPU only) may
-    hold; None = as much as the KV cache itself, so K/V memory is at most twice the cache;
-    0 = no mirror."""
+    hold; None = as much as the KV cache itself (so K/V memory is at most twice the cache),
+    at most 1 GiB; 0 = no mirror."""
 
     block_size: int = 16
     num_blocks: int | None = None

@@ -21,6 +21,7 @@ import torch
 
 from pdserve.attention import AttentionBackend, get_backend
 from pdserve.attention.base import AttentionMetadata
+from pdserve.attention.decode_mirror import MAX_BYTES as MIRROR_MAX_BYTES
 from pdserve.attention.flashinfer_backend import FlashInferBackend
 from pdserve.attention.kv_quant import kv_quant
 from pdserve.attention.torch_backend import TorchBackend
@@ -66,7 +67,7 @@ def build_parts(lm: LoadedModel, args: EngineArgs, max_model_len: int) -> Engine
         num_blocks = max(1, args.kv_cache_memory_bytes // per_block)
     mirror_bytes = args.decode_mirror_memory_bytes
     if mirror_bytes is None:
-        mirror_bytes = num_blocks * per_block
+        mirror_bytes = min(num_blocks * per_block, MIRROR_MAX_BYTES)
     use_graphs = device.type == "cuda" and args.cuda_graphs
     cache = PagedKVCache(cfg.num_layers, num_blocks + int(use_graphs), args.block_size,
                          cfg.num_kv_heads, cfg.head_dim, cfg.dtype, device, quant)
