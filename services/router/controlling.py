@@ -47,7 +47,6 @@ from services.router.instances import Instance, InstancePool
 log = logging.getLogger(__name__)
 
 
-
 def _polled(pool: InstancePool) -> list[Instance]:
     """Instances whose Stats the last poll fetched (healthy, or out only while draining)."""
     return [i for i in pool.instances.values()
