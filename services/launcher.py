@@ -244,10 +244,11 @@ class Stack:
                     kvd_flags = ["--kvd", self.address(kvd)]
                 engine_role = Role.COLOCATED if ns.colocated else \
                     Role.FLEX if ns.controller != "off" else role
+                calibrate = ["--calibrate", "true"] if engine_role == Role.FLEX else []
                 eng = self._add(f"{role}-{i}", role,
                                 ["--model", ns.model, "--role", engine_role,
                                  "--instance-id", f"{role[0]}{i}", *kvd_flags, *threads,
-                                 *next(placement), *ns.engine_arg], cpu)
+                                 *calibrate, *next(placement), *ns.engine_arg], cpu)
                 engines[role].append(self.address(eng))
         names = ["--served-model-name", ",".join(ns.served_model_name)] \
             if ns.served_model_name else []

@@ -45,6 +45,7 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
         core = await core_stats(inst)
         prefill_rate, decode_rate = inst.aengine.window.rates(time.monotonic())
         kvd = inst.bridge.endpoint if inst.bridge is not None else None
+        measured = inst.measured
         return engine_pb2.EngineStats(
             instance_id=inst.instance_id, role=inst.role.proto,
             model=inst.model_source, model_version=inst.engine.model_version,
@@ -55,7 +56,10 @@ class EngineAdminServicer(engine_pb2_grpc.EngineServicer):
             prefill_tokens_computed=core.num_prefill_tokens, kvd=kvd,
             draining=inst.draining, is_flex=inst.is_flex, block_size=inst.block_size,
             decode_tokens=core.num_decode_tokens, kv_fingerprint=inst.engine.fingerprint,
-            max_prefill_tokens=inst.max_prefill_tokens)
+            max_prefill_tokens=inst.max_prefill_tokens,
+            measured_prefill_tokens_per_s=measured.prefill_tokens_per_s if measured else 0.0,
+            measured_decode_steps=[engine_pb2.MeasuredStep(batch=b, seconds=s)
+                                   for b, s in (measured.decode_steps if measured else ())])
 
     @rpc_handler("Drain")
     async def Drain(self, request: engine_pb2.DrainRequest,

@@ -75,6 +75,10 @@ class EngineServiceConfig(GrpcServiceConfig):
         "most MiB the CPU decode mirror may hold (a dense copy of the running decode batch's "
         "K/V, so a step skips the paged gather); -1 = as much as the KV cache, at most 1024; "
         "0 = none")
+    calibrate: bool = setting(
+        False, BOOL, "measure this engine's prefill rate and decode steps at start (~1-3 s on "
+        "a CPU core for a 50M model) and report them in Stats, for the P:D controller to start "
+        "from; `pdserve up --controller` turns it on")
     threads: int = setting(0, int_kind(0), "torch CPU threads; 0 = torch's default")
     redis_url: str = redis_url_setting()
     advertise: str = setting("", OPTIONAL_ADDRESS,

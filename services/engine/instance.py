@@ -21,6 +21,7 @@ import torch
 
 from pdserve import auth
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.calibrate import Measured, measure
 from pdserve.engine.engine import Engine
 from pdserve.engine.reload import ReloadPolicy, SwapResult, prepare_weights, swap_weights
 from pdserve.errors import BadRequest, StatusError
@@ -54,6 +55,7 @@ class EngineInstance:
         self.role = config.initial_role
         self.draining = False
         self.num_in_flight = 0
+        self.measured: Measured | None = None  # create_instance: --calibrate
         self._idle = asyncio.Event()
         self._idle.set()
         self._restartable: set[str] = set()  # engine request ids a role switch may hand back
@@ -261,4 +263,13 @@ def create_instance(config: EngineServiceConfig) -> EngineInstance:
     """Load the model and build the engine (slow: done once, before the server starts)."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    return EngineInstance(config, Engine.from_model(config.model, config.engine_args()))
+    engine = Engine.from_model(config.model, config.engine_args())
+    measured = None
+    if config.calibrate:  # before the AsyncEngine owns the engine's steps
+        measured = measure(engine)
+        log.info("capacity measured", extra={"fields": {
+            "prefill_tokens_per_s": round(measured.prefill_tokens_per_s, 1),
+            "decode_step_ms": {b: round(1e3 * s, 2) for b, s in measured.decode_steps}}})
+    inst = EngineInstance(config, engine)
+    inst.measured = measured
+    return inst

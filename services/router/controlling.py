@@ -28,7 +28,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.controller.actuator import ROLES, Actuator, DryRunActuator, InPlaceActuator
-from pdserve.controller.capacity import CapacityModel, starting_model
+from pdserve.controller.capacity import (
+    MAX_BATCH,
+    CalibrationError,
+    CapacityModel,
+    from_measured,
+    starting_model,
+)
 from pdserve.controller.lease import RedisLease
 from pdserve.controller.loop import Controller, LoopConfig
 from pdserve.controller.monitor import (
@@ -131,9 +137,14 @@ class RouterController:
         self.latency.observe(time.monotonic(), ttft_s, tpot_s, itls_s)
 
     def build(self) -> Controller:
-        """The loop, its plan in force read from the pool (call after its first poll)."""
+        """The loop, its plan in force read from the pool (call after its first poll); it
+        starts from the engines' own measurements when every polled engine has them and no
+        --controller-calibration was given."""
         in_place = self.config.controller == "in-place"
-        samples = [sample_from_proto(i.stats, i.address, 0.0) for i in _polled(self.pool)]
+        polled = _polled(self.pool)
+        if not self.config.controller_calibration:
+            self.model = engines_model(polled) or self.model
+        samples = [sample_from_proto(i.stats, i.address, 0.0) for i in polled]
         plan = current_plan(samples, in_place)
         n = plan.num_prefill + plan.num_decode + plan.num_colocated
         if n == 0:
@@ -172,6 +183,26 @@ class RouterController:
     async def stop(self) -> None:
         if self.controller is not None:
             await self.controller.stop()
+
+
+def engines_model(instances: Sequence[Instance]) -> CapacityModel | None:
+    """The capacity model the engines' own start-up measurements give (``--calibrate``), or
+    None unless every one of them has them (and they fit)."""
+    stats = [i.stats for i in instances]
+    if not stats or any(s.measured_prefill_tokens_per_s <= 0 for s in stats):
+        return None
+    try:
+        model = from_measured([s.measured_prefill_tokens_per_s for s in stats],
+                              [(p.batch, p.seconds) for s in stats
+                               for p in s.measured_decode_steps], MAX_BATCH)
+    except CalibrationError as exc:
+        log.warning("controller: the engines' measurements do not fit; starting from the "
+                    "calibration file", extra={"fields": {"error": str(exc)}})
+        return None
+    log.info("controller: starting from the engines' own measurements", extra={"fields": {
+        "engines": len(stats), "prefill_tokens_per_s": round(model.prefill_tokens_per_s, 1),
+        "decode_step_ms": {int(b): round(1e3 * t, 2) for b, t in model.decode_points}}})
+    return model
 
 
 def maybe_controller(config: RouterConfig, pool: InstancePool) -> RouterController | None:

@@ -16,6 +16,7 @@ import pytest
 from pdserve.controller.actuator import DryRunActuator
 from pdserve.controller.monitor import Sample
 from pdserve.controller.optimizer import Plan
+from pdserve.proto.v1 import common_pb2, engine_pb2
 from pdserve.roles import Role
 from services.launcher import Stack, _args, build_parser
 from services.router.config import RouterConfig
@@ -155,12 +156,14 @@ def test_up_controller_starts_flex_engines_and_passes_the_flags() -> None:
     procs = {p.name: p.args for p in stack.procs}
     for name in ("prefill-0", "decode-0"):
         assert procs[name][procs[name].index("--role") + 1] == Role.FLEX
+        assert procs[name][procs[name].index("--calibrate") + 1] == "true"  # measures itself
     router = procs["router"]
     assert router[router.index("--controller") + 1] == "in-place"
     assert router[router.index("--slo-ttft-ms") + 1] == "800.0"
     assert "--controller-dwell=3" in router
     plain = {p.name: p.args for p in _stack([]).procs}
     assert "--controller" not in plain["router"]
+    assert "--calibrate" not in plain["prefill-0"]
     assert plain["prefill-0"][plain["prefill-0"].index("--role") + 1] == Role.PREFILL
 
 
@@ -253,3 +256,55 @@ def test_a_rows_own_prompt_length_wins() -> None:
     assert short.prefill_tokens_per_s == pytest.approx(1000.0)  # tokens/s either way
     # the decode law does not depend on the prompt length
     assert short.decode_base_s == pytest.approx(0.02)
+
+
+def _measured_stats(prefill_tps: float, steps: dict[int, float]) -> engine_pb2.EngineStats:
+    return engine_pb2.EngineStats(
+        instance_id="e", role=common_pb2.ROLE_PREFILL, is_flex=True,
+        measured_prefill_tokens_per_s=prefill_tps,
+        measured_decode_steps=[engine_pb2.MeasuredStep(batch=b, seconds=s)
+                               for b, s in steps.items()])
+
+
+def _polled_pool(cfg: RouterConfig, *stats: engine_pb2.EngineStats) -> InstancePool:
+    pool = InstancePool(cfg.prefill, cfg.decode)
+    for inst, st in zip(pool.instances.values(), stats, strict=True):
+        inst.apply_stats(st)
+        inst.is_healthy = True
+    return pool
+
+
+async def test_the_controller_starts_from_the_engines_own_measurements() -> None:
+    cfg = RouterConfig(**BASE, controller="dry-run")
+    pool = _polled_pool(cfg, _measured_stats(800.0, {1: 0.015, 32: 0.055}),
+                        _measured_stats(900.0, {1: 0.017, 32: 0.057}))
+    ctl = maybe_controller(cfg, pool)
+    assert ctl is not None
+    loop = ctl.build()
+    assert loop.model is ctl.model and ctl.model.prefill_tokens_per_s == pytest.approx(850.0)
+    assert [b for b, _ in ctl.model.decode_points] == [1, 32]  # each batch's mean
+    assert [t for _, t in ctl.model.decode_points] == pytest.approx([0.016, 0.056])
+    assert ctl.current_model() is ctl.model
+
+
+async def test_the_engines_measurements_are_used_only_when_every_engine_has_them(
+        tmp_path: Path) -> None:
+    cfg = RouterConfig(**BASE, controller="dry-run")
+    shipped = maybe_controller(cfg, InstancePool(cfg.prefill, cfg.decode))
+    assert shipped is not None
+    pool = _polled_pool(cfg, _measured_stats(800.0, {1: 0.015, 32: 0.055}),
+                        _measured_stats(0.0, {}))  # one engine started without --calibrate
+    ctl = maybe_controller(cfg, pool)
+    assert ctl is not None
+    ctl.build()
+    assert ctl.model == shipped.model
+    # an operator's file wins over the engines' measurements
+    path = tmp_path / "calibration.jsonl"
+    path.write_text(_bench_rows(prefill_tps=700.0))
+    cfg = RouterConfig(**BASE, controller="dry-run", controller_calibration=str(path))
+    pool = _polled_pool(cfg, _measured_stats(800.0, {1: 0.015, 32: 0.055}),
+                        _measured_stats(900.0, {1: 0.017, 32: 0.057}))
+    ctl = maybe_controller(cfg, pool)
+    assert ctl is not None
+    ctl.build()
+    assert ctl.model.prefill_tokens_per_s == pytest.approx(700.0)

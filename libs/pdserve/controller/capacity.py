@@ -166,6 +166,21 @@ def from_stats(samples: Iterable[Sample], max_batch: int) -> CapacityModel:
     return CapacityModel(0.0, float(np.mean(rates)), base, per_seq, max_batch)
 
 
+def from_measured(prefill_rates: Sequence[float], decode_steps: Sequence[tuple[float, float]],
+                  max_batch: int) -> CapacityModel:
+    """Fit from what engines measured of themselves at start (``engine/calibrate.py``, in their
+    Stats): each one's prefill rate (averaged over the engines; a step that only prefills has
+    no separate overhead in it) and every (batch, step seconds) point."""
+    rates = [r for r in prefill_rates if r > 0]
+    if not rates:
+        raise CalibrationError("prefill: no engine measured its prefill rate")
+    base, per_seq = fit_line(decode_steps, "decode")
+    if base <= 0:
+        raise CalibrationError("decode: the fitted base step time is 0; need small batches too")
+    return CapacityModel(0.0, float(np.mean(rates)), base, per_seq, max_batch,
+                         decode_points=_measured(decode_steps))
+
+
 def starting_model(path: str = "") -> CapacityModel:
     """The model a controller starts from: the ``pdserve bench engine --json`` run at
     ``path`` (the operator's, for their model, dtype and threads per engine), else the

@@ -290,3 +290,10 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         return self.kv.pool.reset_prefix_cache()
 
+    def reset_counters(self) -> None:
+        """Zero the cumulative counters ``stats`` reports (after work that was not serving,
+        e.g. ``calibrate.measure`` at start)."""
+        self._counters = {"prefill": 0, "decode": 0}
+        self.scheduler.prefill.num_hit_tokens = 0
+        self.scheduler.decode.num_preemptions = 0
+
