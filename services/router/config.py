@@ -126,7 +126,8 @@ class RouterConfig(GrpcServiceConfig):
     controller_calibration: str = setting(
         "", STR, "a `pdserve bench engine --json` run of the engines' model, dtype and "
         "--threads to start the capacity model from (and to size --controller-chunk 0 and "
-        "--slo-admission by until Stats refit it); empty: the shipped 2-core bench-50m run")
+        "--slo-admission by until Stats refit it); empty: the engines' own measurements "
+        "(engine --calibrate) when every engine has them, else the shipped 2-core run")
     controller_lease_ms: int = setting(5000, int_kind(30), "leader lease among routers sharing "
                                        "Redis (ms); a dead leader's lapses after this")
     slo_admission: str = setting("off", choice_kind(*SLO_ADMISSION_MODES),
