@@ -106,8 +106,9 @@ class RouterConfig(GrpcServiceConfig):
     controller_margin: float = setting(0.1, float_kind(0.0), "a new plan must serve this "
                                        "fraction more than the plan in force to replace it")
     controller_stabilize: float = setting(0.0, float_kind(0.0),
-                                          "while the plan in force serves the load, a new plan "
-                                          "must be the best for this many seconds first")
+                                          "a new plan must be the best for this many seconds "
+                                          "before it replaces one that serves the load (or one "
+                                          "that does not, when it does not either)")
     controller_prefer: str = setting(
         "split", choice_kind(*PREFERENCES),
         "split: the best prefill/decode split while it serves the forecast load x (1 + "

@@ -161,6 +161,33 @@ def test_stabilization_window_waits_for_a_steady_best_plan() -> None:
 
 
 @pytest.mark.parametrize(("stable_s", "most"), [(0.0, None), (5.0, 0)])
+def test_two_short_plans_do_not_alternate_within_the_stabilization_window(
+        stable_s: float, most: int | None) -> None:
+    # Every plan is short of the load and the best one follows the mix, which flips every 2 s
+    # (as a 6 s window's mean prompt length swung across the two plans' crossover in a real
+    # run: 4 moves in 40 s, each a drain). Without a window the policy follows the mix; with
+    # one, moving from one shortfall to another waits for a steady best plan like any move.
+    loads = [Load(1000.0, RAG.input_len, RAG.output_len),
+             Load(1000.0, LONG.input_len, LONG.output_len)]
+    policy = Policy(Plan(5, 5), margin=0.1, min_dwell_s=0, now=0, stable_s=stable_s)
+    decisions = [policy.decide(float(t), MODEL, loads[(t // 2) % 2], Slo(5.0, 0.05),
+                               DISAGG_ONLY) for t in range(60)]
+    switches = sum(d.changed for d in decisions)
+    if most is None:
+        assert switches >= 10
+        return
+    assert switches == most
+    assert all(d.reason.startswith(("hold (best for ", "hold (within ")) for d in decisions)
+    # a steady best plan, short of the load too, is adopted once it has been best 5 s
+    rag = loads[0]
+    held = [policy.decide(float(t), MODEL, rag, Slo(5.0, 0.05), DISAGG_ONLY) for t in
+            range(100, 105)]
+    assert not any(d.changed for d in held)
+    d = policy.decide(105.0, MODEL, rag, Slo(5.0, 0.05), DISAGG_ONLY)
+    assert d.changed and d.plan == Plan(9, 1) and d.capacity < rag.rate
+
+
+@pytest.mark.parametrize(("stable_s", "most"), [(0.0, None), (5.0, 0)])
 def test_a_wobbling_mix_moves_nothing_within_the_stabilization_window(
         stable_s: float, most: int | None) -> None:
     # the mix flips every 2 s while the plan in force keeps up with either: without a window

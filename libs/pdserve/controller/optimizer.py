@@ -219,7 +219,10 @@ class Policy:
     ``stable_s`` is a stabilization window (as Kubernetes' autoscaler has): while the plan in
     force still serves the forecast load, a new plan is adopted only once it has been the best
     one, past the margin, at every decision for ``stable_s`` — a mix that wobbles with the
-    sampling noise of a short window then moves nothing. An overloaded plan is not held by it.
+    sampling noise of a short window then moves nothing. An overloaded plan is not held by it
+    when the new plan serves the load; when both fall short, a move only trades one shortfall
+    for another, and the window holds it as any other (two short plans whose ranking follows
+    the window's mean prompt length otherwise alternate at every dwell, each move a drain).
 
     ``prefer``: "goodput" aims at the plan of the most capacity (above). "split" aims at the
     best disaggregated plan whenever it serves ≥ the forecast load × (1 + ``headroom``) —
@@ -290,7 +293,7 @@ class Policy:
             self._candidate = (target.plan, now)
         overloaded = load.rate > current.capacity
         stable_for = now - self._candidate[1]
-        if not overloaded and stable_for < self.stable_s:
+        if stable_for < self.stable_s and (not overloaded or target.capacity < load.rate):
             return hold(f"hold (best for {stable_for:.0f}s < {self.stable_s:.0f}s)")
         dwell = self.urgent_dwell_s if overloaded else self.min_dwell_s
         if now - self.changed_at < dwell:
