@@ -165,7 +165,7 @@ def test_two_short_plans_do_not_alternate_within_the_stabilization_window(
         stable_s: float, most: int | None) -> None:
     # Every plan is short of the load and the best one follows the mix, which flips every 2 s
     # (as a 6 s window's mean prompt length swung across the two plans' crossover in a real
-    # run: 4 moves in 40 s, each a drain). Without a window the policy follows the mix; with
+    # run: 6 moves in 38 s, each a drain). Without a window the policy follows the mix; with
     # one, moving from one shortfall to another waits for a steady best plan like any move.
     loads = [Load(1000.0, RAG.input_len, RAG.output_len),
              Load(1000.0, LONG.input_len, LONG.output_len)]
