@@ -198,11 +198,11 @@ async def test_each_tick_sizes_the_colocated_chunk_from_the_tpot_slo() -> None:
     act = DryRunActuator()
     ctl = _controller(act)
     await ctl.tick(now=100.0)
-    # (50 ms TPOT - an 11 ms step of one sequence) · 1000 prompt tokens/s = 39 → 32 tokens
-    assert (ctl.cluster.chunk_tokens, act.chunk_tokens) == (32, 32)
+    # (50 ms TPOT - an 11 ms step of one sequence) · 1000 prompt tokens/s = 39 tokens
+    assert (ctl.cluster.chunk_tokens, act.chunk_tokens) == (39, 39)
     ctl.model = CapacityModel(0.0, 200.0, 0.010, 0.001, max_batch=40)  # a slower refit
     await ctl.tick(now=100.5)
-    assert ctl.cluster.chunk_tokens == 32  # sized from the calibration it started from
+    assert ctl.cluster.chunk_tokens == 39  # sized from the calibration it started from
     ctl.config = LoopConfig(interval_s=1, horizon_s=0, slo=CONFIG.slo, chunk_tokens=64)
     await ctl.tick(now=101.0)
     assert (ctl.cluster.chunk_tokens, act.chunk_tokens) == (64, 64)  # as configured

@@ -203,11 +203,15 @@ def test_a_wobbling_mix_moves_nothing_within_the_stabilization_window(
 
 
 @pytest.mark.parametrize(("model", "tpot_s", "chunk"), [
-    (MODEL, 0.050, 32),  # (50 - 11 ms) · 1000 tokens/s = 39 → 32
-    (MODEL, 0.200, 176),  # 189 → 176
+    (MODEL, 0.050, 39),  # (50 - 11 ms) · 1000 tokens/s
+    (MODEL, 0.200, 189),
     (MODEL, 1.000, 512),  # 989, but at most the engines' budget
-    (MODEL, 0.012, 16),  # 1 token fits: still one aligned chunk (steps cannot go below it)
-    (CapacityModel(0.0, 2026.0, 0.0106, 0.0, max_batch=40), 0.100, 176),  # the 2-core default
+    (MODEL, 0.012, 16),  # 1 token fits: still the smallest chunk (steps cannot go below it)
+    (CapacityModel(0.0, 2026.0, 0.0106, 0.0, max_batch=40), 0.100, 181),  # the 2-core default
+    # rates measured by the same engine at different starts (round G): the chunk follows
+    # them by as much, not by a 16-token step (48 vs 64 when whole blocks were kept)
+    (CapacityModel(0.0, 752.0, 0.0195, 0.0, max_batch=40), 0.100, 60),
+    (CapacityModel(0.0, 816.0, 0.0195, 0.0, max_batch=40), 0.100, 65),
 ])
 def test_the_colocated_chunk_fits_a_step_in_the_tpot_slo(model: CapacityModel, tpot_s: float,
                                                          chunk: int) -> None:
