@@ -128,12 +128,14 @@ def test_preemption_picks_the_least_urgent_request() -> None:
     assert order == ["urgent", "relaxed"]
 
 
-def test_a_prefill_cap_chunks_prompts_without_holding_back_decodes(prompts, alone) -> None:
+@pytest.mark.parametrize("cap", [16, 23])  # 23: chunks that end inside KV blocks
+def test_a_prefill_cap_chunks_prompts_without_holding_back_decodes(prompts, alone,
+                                                                   cap: int) -> None:
     """``max_prefill_tokens`` (a colocated engine's chunk under an ITL bound) caps the prompt
     tokens of each step that decodes; every running answer still gets its token in every
     step; a step with no answer to stall takes the whole budget."""
     engine = make_engine(num_blocks=512, max_num_batched_tokens=512)
-    engine.scheduler.max_prefill_tokens = 16
+    engine.scheduler.max_prefill_tokens = cap
     steps: list[tuple[int, int, int]] = []  # prompt tokens, answers scheduled, answers running
     schedule = engine.scheduler.schedule
 
@@ -150,6 +152,6 @@ def test_a_prefill_cap_chunks_prompts_without_holding_back_decodes(prompts, alon
     engine.scheduler.schedule = recording  # type: ignore[method-assign]
     tokens, _, _ = run_all(engine, prompts)
     assert tokens == alone
-    assert max(p for p, scheduled, _ in steps if scheduled) == 16
+    assert max(p for p, scheduled, _ in steps if scheduled) == cap
     assert all(scheduled == running for _, scheduled, running in steps)
     assert steps[0] == (512, 0, 0)  # the first step: no answer to stall, the whole budget
