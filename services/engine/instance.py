@@ -47,7 +47,8 @@ class ReloadReport(NamedTuple):
 
 
 class EngineInstance:
-    def __init__(self, config: EngineServiceConfig, engine: Engine) -> None:
+    def __init__(self, config: EngineServiceConfig, engine: Engine,
+                 measured: Measured | None = None) -> None:
         self.config = config
         self.engine = engine
         self.aengine = AsyncEngine(engine, config.stats_window)
@@ -55,7 +56,7 @@ class EngineInstance:
         self.role = config.initial_role
         self.draining = False
         self.num_in_flight = 0
-        self.measured: Measured | None = None  # create_instance: --calibrate
+        self.measured = measured  # --calibrate: what create_instance measured
         self._idle = asyncio.Event()
         self._idle.set()
         self._restartable: set[str] = set()  # engine request ids a role switch may hand back
@@ -270,6 +271,4 @@ def create_instance(config: EngineServiceConfig) -> EngineInstance:
         log.info("capacity measured", extra={"fields": {
             "prefill_tokens_per_s": round(measured.prefill_tokens_per_s, 1),
             "decode_step_ms": {b: round(1e3 * s, 2) for b, s in measured.decode_steps}}})
-    inst = EngineInstance(config, engine)
-    inst.measured = measured
-    return inst
+    return EngineInstance(config, engine, measured)

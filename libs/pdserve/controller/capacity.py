@@ -160,6 +160,13 @@ def from_stats(samples: Iterable[Sample], max_batch: int) -> CapacityModel:
             rates.append(s.prefill_tokens_per_s)
     if not rates:
         raise CalibrationError("prefill: no busy prefill sample (queue_depth > 0) to fit from")
+    return _from_rates(rates, decode, max_batch)
+
+
+def _from_rates(rates: Sequence[float], decode: Sequence[tuple[float, float]],
+                max_batch: int) -> CapacityModel:
+    """The mean of some prefill rates (no separate batch overhead) and a line through the
+    (batch, step seconds) points; ``rates`` is not empty."""
     base, per_seq = fit_line(decode, "decode")
     if base <= 0:
         raise CalibrationError("decode: the fitted base step time is 0; need small batches too")
@@ -174,11 +181,8 @@ def from_measured(prefill_rates: Sequence[float], decode_steps: Sequence[tuple[f
     rates = [r for r in prefill_rates if r > 0]
     if not rates:
         raise CalibrationError("prefill: no engine measured its prefill rate")
-    base, per_seq = fit_line(decode_steps, "decode")
-    if base <= 0:
-        raise CalibrationError("decode: the fitted base step time is 0; need small batches too")
-    return CapacityModel(0.0, float(np.mean(rates)), base, per_seq, max_batch,
-                         decode_points=_measured(decode_steps))
+    return replace(_from_rates(rates, decode_steps, max_batch),
+                   decode_points=_measured(decode_steps))
 
 
 def starting_model(path: str = "") -> CapacityModel:

@@ -296,4 +296,3 @@ class Engine:
         self._counters = {"prefill": 0, "decode": 0}
         self.scheduler.prefill.num_hit_tokens = 0
         self.scheduler.decode.num_preemptions = 0
-
