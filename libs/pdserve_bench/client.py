@@ -179,7 +179,10 @@ class HttpClient(Client):
             if "error" in chunk:
                 record.fail("stream_error", json.dumps(chunk["error"]))
                 return
-            n, text, fin = parse_chunk(chunk, self.api, record.completion_tokens)
+            prev = record.completion_tokens
+            if prev is None and not any(n for _, n in record.events):
+                prev = 0  # the first chunk with continuous usage carries all tokens so far
+            n, text, fin = parse_chunk(chunk, self.api, prev)
             if fin and not finished:
                 finished, finish_time = True, now
             record.events.append((now, n))

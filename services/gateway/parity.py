@@ -71,6 +71,7 @@ NO_COUNTERPART: dict[str, str] = {
     "stream": "Generate always streams; a gRPC client reads all of it (collect()) or part",
     "stream_options": "usage is always in the last message of the stream",
     "stream_options.include_usage": "usage is always in the last message of the stream",
+    "stream_options.continuous_usage_stats": "every message carries its own token_ids",
     "messages[].content[].type": "only 'text' parts are accepted (by both front doors)",
     "suffix": "not supported by pdserve yet (the gateway answers 400)",
     "best_of": "not supported by pdserve yet (the gateway answers 400 unless it equals n)",

@@ -154,9 +154,10 @@ class ChunkWriter:
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         return self._head + _dumps([choice]).encode() + self._tail
 
-    def chunk(self, index: int, msg: router_pb2.GenerateResponse, finish: str | None
-              ) -> bytes | None:
-        """The chunk of one router message, or None when it carries nothing to show."""
+    def chunk(self, index: int, msg: router_pb2.GenerateResponse, finish: str | None,
+              usage: dict[str, object] | None = None) -> bytes | None:
+        """The chunk of one router message, or None when it carries nothing to show.
+        ``usage``: the request's usage so far, for ``continuous_usage_stats`` (else null)."""
         if not (msg.text or msg.prompt_text or msg.tool_calls or finish is not None
                 or (self.logprobs and (msg.logprobs or msg.prompt_logprobs))):
             return None
@@ -175,6 +176,9 @@ class ChunkWriter:
             self._offsets[index] = offset + len(msg.text)
         choice["logprobs"] = lp
         choice["finish_reason"] = finish
+        if usage is not None:
+            return (self._head + _dumps([choice]).encode() + b',"usage":'
+                    + _dumps(usage).encode() + b"}\n\n")
         return self._head + _dumps([choice]).encode() + self._tail
 
     def usage(self, choices: Sequence[ChoiceOutput], n: int) -> bytes:

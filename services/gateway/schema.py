@@ -34,6 +34,9 @@ ROLES = {"system", "user", "assistant", "tool", "developer"}
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    # vLLM's extension: every content chunk also carries the usage so far (cumulative
+    # completion tokens), so a client can count tokens whose text came in a later chunk.
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
@@ -134,6 +137,12 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every content chunk: asked with ``include_usage`` (as vLLM does)."""
+        return self.include_usage and bool(self.stream_options
+                                           and self.stream_options.continuous_usage_stats)
 
     def router_requests(self, model: str, inputs: list[dict[str, Any]], max_tokens: int | None,
                         logprobs: int | None, request_id: str, tenant: str, cache_salt: str

@@ -149,7 +149,7 @@ class Gateway:
                                  trace.get_current_span())
                 choices = [ChoiceOutput(req.calls_finish) for _ in range(num_choices)]
                 body = self._stream(gen, writer, choices, req.n, req.include_usage, end,
-                                    starting)
+                                    starting, req.continuous_usage)
                 return SSEResponse(body, end, {**SSE_HEADERS, "x-request-id": rid})
         except BaseException:
             if starting is not None:
@@ -176,7 +176,8 @@ class Gateway:
 
     async def _stream(self, gen: Generation, writer: shapes.ChunkWriter,
                       choices: list[ChoiceOutput], n: int, include_usage: bool, end: _StreamEnd,
-                      starting: asyncio.Future[None] | None = None) -> AsyncIterator[bytes]:
+                      starting: asyncio.Future[None] | None = None,
+                      continuous_usage: bool = False) -> AsyncIterator[bytes]:
         num_choices = len(choices)
         # Final chunks wait for the end of the stream so that they, the usage and [DONE] leave
         # in one write: fewer sends per request on the hot path.
@@ -197,7 +198,8 @@ class Gateway:
                     continue
                 i, msg = item
                 choices[i].add(msg, 0)
-                chunk = writer.chunk(i, msg, choices[i].finish)
+                chunk = writer.chunk(i, msg, choices[i].finish,
+                                     shapes.usage_of(choices, n) if continuous_usage else None)
                 if chunk is not None and choices[i].finish is None:
                     yield chunk
                 elif chunk is not None:

@@ -12,6 +12,7 @@ The prompt (or a chat's last message) picks the script:
     "hang"      placement and one token, then waits until cancelled (recorded in ``cancelled``)
     "hangfirst" waits until cancelled before sending anything
     "toolcall"  some text, then a get_weather call in two deltas, then STOP
+    "held"      "Caf", a token with no text yet (half of a UTF-8 character), "é!", then STOP
     anything    the reply REPLY one token a message, honouring max_tokens, stop and seed
 
 With ``echo`` the first message carries the prompt's text (and two prompt logprobs when asked).
@@ -100,6 +101,13 @@ class FakeRouter:
         if text == "toolcall":
             for msg in _tool_call():
                 yield msg
+            return
+        if text == "held":
+            yield router_pb2.GenerateResponse(token_ids=[TOKEN_BASE], text="Caf")
+            yield router_pb2.GenerateResponse(token_ids=[TOKEN_BASE + 1])
+            yield router_pb2.GenerateResponse(token_ids=[TOKEN_BASE + 2], text="é!",
+                                              finish_reason=common_pb2.FINISH_REASON_STOP,
+                                              usage=self._usage(req, 3))
             return
         if text in ("midfail", "abort", "hang"):
             yield self._token(req, 0, REPLY[0])

@@ -111,6 +111,26 @@ def test_chat_stream_with_usage(stack: Stack) -> None:
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_chat_stream_with_continuous_usage(stack: Stack) -> None:
+    # vLLM's continuous_usage_stats: every content chunk carries the usage so far, so a token
+    # whose text is held back (half a UTF-8 character) is counted in the next chunk.
+    chunks = list(stack.client().chat.completions.create(
+        model=MODEL, stream=True, messages=[{"role": "user", "content": "held"}],
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert [c.choices[0].delta.content for c in content] == ["Caf", "é!"]
+    assert [c.usage.completion_tokens for c in content if c.usage] == [1, 3]
+    assert all(c.usage.prompt_tokens == 3 for c in content if c.usage)
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 3
+    # Without it (or without include_usage, as vLLM) the content chunks carry none.
+    for options in ({"include_usage": True}, {"continuous_usage_stats": True}):
+        chunks = list(stack.client().chat.completions.create(
+            model=MODEL, stream=True, messages=[{"role": "user", "content": "held"}],
+            stream_options=options))
+        assert all(c.usage is None for c in chunks if c.choices)
+
+
 def test_completion_stream_n2(stack: Stack) -> None:
     chunks = list(stack.client().completions.create(
         model=MODEL, prompt="x", n=2, seed=3, stream=True))
