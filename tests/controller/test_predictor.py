@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pdserve.controller.predictor import Arrival, Load, WorkloadWindow, bucket_rates, holt
@@ -77,6 +79,30 @@ def test_window_forecast_extrapolates_a_ramp_and_follows_the_mix() -> None:
     assert forecast.rate > 6.5  # beyond the last bucket's 6/s
     assert forecast.input_len == 900  # the recent half's mix
     assert w.current(6.0).rate == pytest.approx(21 / 6)
+
+
+def test_a_steady_poisson_load_never_forecasts_zero() -> None:
+    # The controller's own settings (6 s window, 1 s buckets, 1 s ticks) at a steady
+    # 1 req/s: Holt's trend on the buckets' noise alone fell to 0 on many ticks.
+    rng = random.Random(0)
+    w, t, arrivals = WorkloadWindow(window_s=6, num_buckets=6), 0.0, []
+    while t < 300:
+        t += rng.expovariate(1.0)
+        arrivals.append(t)
+    rates, means, i = [], [], 0
+    for now in range(10, 290):
+        while arrivals[i] < now:
+            w.add(Arrival(arrivals[i], 100, 10))
+            i += 1
+        rates.append(w.forecast(float(now), horizon_s=1.0).rate)
+        means.append(w.current(float(now)).rate)
+        assert rates[-1] >= means[-1]  # the floor: the window's mean
+    # 0 only when 6 s passed without an arrival (e^-6 of ticks at 1 req/s).
+    assert [r for r, m in zip(rates, means, strict=True) if r == 0 and m > 0] == []
+    assert sum(r == 0 for r in rates) <= 3
+    assert sorted(rates)[len(rates) // 2] == pytest.approx(1.0, abs=0.35)
+    # A real fall still shows within one window: no arrivals for 6 s is no load.
+    assert w.forecast(296.0, 1.0).rate < 0.5 and w.forecast(400.0, 1.0).rate == 0.0
 
 
 def test_window_rejects_a_bad_window() -> None:
