@@ -34,7 +34,8 @@ def test_50m_2flex_config_also_compares_the_controller_with_a_fixed_chunk(worklo
     assert pairs == {("colocated", "flex2_controller_50m"),
                      ("disaggregated", "flex2_controller_50m"),
                      ("colocated_chunk176", "flex2_controller_50m"),
-                     ("colocated", "flex2_controller_50m_1core")}
+                     ("colocated", "flex2_controller_50m_1core")} | (
+        {("colocated", "flex2_controller_50m_split")} if workload == "shifting" else set())
     assert {c.workload.name for c in cfg.comparisons} == {workload}
     assert cfg.run.stack_args == ("--model", "bench-50m")
     assert (cfg.run.slo_ttft_ms, cfg.run.slo_tpot_ms) == (2000, 100)
@@ -42,6 +43,9 @@ def test_50m_2flex_config_also_compares_the_controller_with_a_fixed_chunk(worklo
     assert args[args.index("--slo-ttft-ms") + 1] == "2000"  # the router plans for the bench's
     assert "--router-arg=--controller-prefer=goodput" in args
     assert "--engine-arg=--max-num-batched-tokens=176" in cfg.stacks["colocated_chunk176"].args
+    if workload == "shifting":  # the same controller, preferring the split while it keeps up
+        split = cfg.stacks["flex2_controller_50m_split"].args
+        assert [a.replace("=split", "=goodput") for a in split] == list(args)
 
 
 def test_the_1core_stack_starts_its_controller_from_a_shipped_calibration() -> None:

@@ -53,7 +53,7 @@ def test_window_mean_and_trim() -> None:
 
 
 def test_window_carries_the_prompt_lengths_second_moment() -> None:
-    w = WorkloadWindow(window_s=10)
+    w = WorkloadWindow(window_s=10, min_mix_arrivals=4)
     for i in range(10):  # chat and RAG turns alternating: 24 and 900 tokens
         w.add(Arrival(float(i), 24 if i % 2 else 900, 50))
     load = w.current(now=9.5)
@@ -70,7 +70,7 @@ def test_an_unknown_second_moment_reads_as_a_constant_mix() -> None:
 
 
 def test_window_forecast_extrapolates_a_ramp_and_follows_the_mix() -> None:
-    w = WorkloadWindow(window_s=6, num_buckets=6, alpha=0.9, beta=0.9)
+    w = WorkloadWindow(window_s=6, num_buckets=6, alpha=0.9, beta=0.9, min_mix_arrivals=8)
     t = 0.0
     for second in range(6):  # 1, 2, ... 6 arrivals per second
         for k in range(second + 1):
@@ -103,6 +103,27 @@ def test_a_steady_poisson_load_never_forecasts_zero() -> None:
     assert sorted(rates)[len(rates) // 2] == pytest.approx(1.0, abs=0.35)
     # A real fall still shows within one window: no arrivals for 6 s is no load.
     assert w.forecast(296.0, 1.0).rate < 0.5 and w.forecast(400.0, 1.0).rate == 0.0
+
+
+def test_a_steady_mix_is_read_from_enough_requests() -> None:
+    # `mixed` at 1 req/s: chat (24 tokens) and RAG (900) prompts drawn at random. The latest
+    # half of a 6 s window holds 1-3 of them, too few to say the mix; the last 16 are enough.
+    rng = random.Random(1)
+    arrivals = [Arrival(t + rng.random(), rng.choice((24, 900)), 8) for t in range(200)]
+    means = {}
+    for k in (1, 16):
+        w, means[k] = WorkloadWindow(window_s=6, min_mix_arrivals=k), []
+        for i, a in enumerate(arrivals):
+            w.add(a)
+            if i >= 20:
+                means[k].append(w.forecast(a.t + 0.01, 1.0).input_len)
+    assert min(means[1]) == 24 and max(means[1]) == 900  # all-chat, all-RAG: noise
+    assert 200 < min(means[16]) and max(means[16]) < 750  # around the true 462
+    # A shift is still followed: 16 RAG prompts after a chat phase read as RAG.
+    w = WorkloadWindow(window_s=6, min_mix_arrivals=16)
+    for t in range(40):
+        w.add(Arrival(float(t), 24 if t < 24 else 900, 8))
+    assert w.forecast(40.0, 1.0).input_len == 900
 
 
 def test_window_rejects_a_bad_window() -> None:

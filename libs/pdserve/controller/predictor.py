@@ -74,16 +74,18 @@ class WorkloadWindow:
     """The arrivals of the last ``window_s`` seconds and a forecast of the next interval."""
 
     def __init__(self, window_s: float, num_buckets: int = 6, alpha: float = 0.5,
-                 beta: float = 0.3) -> None:
-        if window_s <= 0 or num_buckets < 1:
-            raise ValueError("window_s must be > 0 and num_buckets >= 1")
+                 beta: float = 0.3, min_mix_arrivals: int = 16) -> None:
+        if window_s <= 0 or num_buckets < 1 or min_mix_arrivals < 1:
+            raise ValueError("window_s must be > 0, num_buckets >= 1 and min_mix_arrivals >= 1")
         self.window_s = window_s
         self.num_buckets = num_buckets
         self.alpha, self.beta = alpha, beta
         self._arrivals: deque[Arrival] = deque()
+        self._latest: deque[Arrival] = deque(maxlen=min_mix_arrivals)
 
     def add(self, arrival: Arrival) -> None:
         self._arrivals.append(arrival)
+        self._latest.append(arrival)
 
     def _trim(self, now: float) -> None:
         while self._arrivals and self._arrivals[0].t < now - self.window_s:
@@ -100,8 +102,9 @@ class WorkloadWindow:
 
     def forecast(self, now: float, horizon_s: float) -> Load:
         """The rate ``horizon_s`` ahead by Holt's trend over the window's buckets, never below
-        the window's mean rate; the mix as the latest half of the window has it (mix shifts
-        are followed, not extrapolated), the prompt length's second moment included.
+        the window's mean rate; the mix as the latest half of the window has it, or the last
+        ``min_mix_arrivals`` requests when it has fewer (mix shifts are followed, not
+        extrapolated), the prompt length's second moment included.
 
         The floor: at a steady 1 req/s in 1 s buckets most buckets hold 0, 1 or 2 arrivals,
         and the trend fitted to that noise took the forecast to 0 on ~15% of ticks (seen in
@@ -116,8 +119,14 @@ class WorkloadWindow:
         width = self.window_s / self.num_buckets
         rate = max(holt(rates, self.alpha, self.beta, horizon_s / width),
                    len(self._arrivals) / self.window_s)
-        recent = [a for a in self._arrivals if a.t >= now - self.window_s / 2] or \
-            list(self._arrivals)
+        recent = [a for a in self._arrivals if a.t >= now - self.window_s / 2]
+        if len(recent) < len(self._latest):
+            # Too few to say the mix: at 1 req/s the latest 3 s hold 1-3 requests, and a mix
+            # of 24- and 900-token prompts read from them swung between all-chat and all-RAG
+            # tick by tick (seen: 28/93 -> 900/6 tokens a second apart on a steady mix), which
+            # moved the engines back and forth. The last ``min_mix_arrivals`` instead (older
+            # ones included): a shift is followed within that many requests.
+            recent = list(self._latest)
         return _load(rate, recent)
 
 
