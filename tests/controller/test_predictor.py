@@ -118,7 +118,7 @@ def test_a_steady_mix_is_read_from_enough_requests() -> None:
             if i >= 20:
                 means[k].append(w.forecast(a.t + 0.01, 1.0).input_len)
     assert min(means[1]) == 24 and max(means[1]) == 900  # all-chat, all-RAG: noise
-    assert 200 < min(means[16]) and max(means[16]) < 750  # around the true 462
+    assert min(means[16]) > 200 and max(means[16]) < 750  # around the true 462
     # A shift is still followed: 16 RAG prompts after a chat phase read as RAG.
     w = WorkloadWindow(window_s=6, min_mix_arrivals=16)
     for t in range(40):
