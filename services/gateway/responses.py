@@ -176,10 +176,9 @@ class ChunkWriter:
             self._offsets[index] = offset + len(msg.text)
         choice["logprobs"] = lp
         choice["finish_reason"] = finish
-        if usage is not None:
-            return (self._head + _dumps([choice]).encode() + b',"usage":'
-                    + _dumps(usage).encode() + b"}\n\n")
-        return self._head + _dumps([choice]).encode() + self._tail
+        tail = self._tail if usage is None else (
+            b',"usage":' + _dumps(usage).encode() + b"}\n\n")
+        return self._head + _dumps([choice]).encode() + tail
 
     def usage(self, choices: Sequence[ChoiceOutput], n: int) -> bytes:
         """The final ``include_usage`` chunk: usage, and no choices."""
