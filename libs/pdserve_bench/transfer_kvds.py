@@ -160,7 +160,9 @@ def kvd_pair(capacity_mib: int, *extra: str, tries: int = 5
 async def kvd_pairs(capacity_mib: int, layout: BlockLayout = LAYOUT
                  ) -> tuple[list[subprocess.Popen[str]], list[KvdClient], dict[str, KvdPair]]:
     """Two pairs of kvds: one copying between the pools of this host (the default), one held
-    to UCX (``--same-host false``), so both paths are measured in the same run."""
+    to UCX (``--same-host false``), so both paths are measured in the same run. The first
+    pair is measured twice: ``same_host`` with the engines' calls on the kvds' control
+    sockets (what an engine of the kvd's host uses), ``stream`` on the gRPC Control stream."""
     procs: list[subprocess.Popen[str]] = []
     clients: list[KvdClient] = []
     pairs = {}
@@ -176,6 +178,14 @@ async def kvd_pairs(capacity_mib: int, layout: BlockLayout = LAYOUT
         pairs[path] = KvdPair(a, b, common_pb2.KvdEndpoint(node_id=addr_b, address=addr_b),
                               layout)
         await pairs[path].kvd_once(1)  # warm-up: endpoints, channels
+        if path == "same_host":  # the same kvds, the engines' calls on the gRPC stream
+            sa, sb = (KvdClient(addr, name, rpc_timeout=120, local_control=False)
+                      for addr, name in ((addr_a, "bench-a"), (addr_b, "bench-b")))
+            clients += [sa, sb]
+            await sa.register(layout)
+            await sb.register(layout)
+            pairs["stream"] = KvdPair(sa, sb, pairs[path].dest, layout)
+            await pairs["stream"].kvd_once(1)
     return procs, clients, pairs
 
 

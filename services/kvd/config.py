@@ -64,6 +64,9 @@ class KvdConfig(GrpcServiceConfig):
     same_host: bool = setting(
         True, BOOL, "same-host pushes: a receiving kvd maps the sending kvd's pool and copies "
         "the blocks from it (one copy) when both share a host; off = UCX only")
+    control_socket: bool = setting(
+        True, BOOL, "serve the Control messages also on a Unix socket next to the pool "
+        "(mode 0600; Register names it): engines of this host skip gRPC's per-message cost")
     copy_threads: int = setting(
         2, int_kind(1, 64), "threads of one same-host copy (numpy and xxhash release the GIL); "
         "a copy under 4 MiB runs on the event loop")

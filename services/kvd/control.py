@@ -1,4 +1,5 @@
-"""The engine's per-transfer calls over one stream (``Kvd.Control``): Allocate, Commit, Await and
+"""The engine's per-transfer calls over one stream (``Kvd.Control``, or the same messages on
+the kvd's Unix socket: ``control_socket``): Allocate, Commit, Await and
 Release as messages on a stream the engine holds open, each answered by id; peer kvds send
 their Transfer requests on one too.
 
@@ -57,7 +58,7 @@ async def release(kvd: Kvd, req: kvd_pb2.ReleaseRequest) -> kvd_pb2.ReleaseRespo
     return kvd_pb2.ReleaseResponse(num_released=kvd.release(req.pin_ids, req.client_id))
 
 
-async def _one(kvd: Kvd, req: kvd_pb2.ControlRequest) -> kvd_pb2.ControlResponse:
+async def answer(kvd: Kvd, req: kvd_pb2.ControlRequest) -> kvd_pb2.ControlResponse:
     """Serve one request in a span named as its unary rpc's (``Kvd.Commit``...), a child of
     the caller's trace context."""
     kind = req.WhichOneof("call")
@@ -107,13 +108,13 @@ async def serve(kvd: Kvd, requests: AsyncIterator[kvd_pb2.ControlRequest]
     answers: asyncio.Queue[kvd_pb2.ControlResponse | None] = asyncio.Queue()
     tasks: set[asyncio.Task[Any]] = set()
 
-    async def answer(req: kvd_pb2.ControlRequest) -> None:
-        answers.put_nowait(await _one(kvd, req))
+    async def respond(req: kvd_pb2.ControlRequest) -> None:
+        answers.put_nowait(await answer(kvd, req))
 
     async def read() -> None:
         try:
             async for req in requests:
-                task = asyncio.ensure_future(answer(req))
+                task = asyncio.ensure_future(respond(req))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             while tasks:  # the client half-closed: finish what it asked first

@@ -60,6 +60,7 @@ class Kvd:
         self._shm: shared_memory.SharedMemory | None = None
         self._lease_task: asyncio.Task[None] | None = None
         self._sessions: dict[str, int] = {}  # client_id -> open Session streams
+        self.control_socket = ""  # the Unix socket serving Control messages, once it listens
 
     # -- life --------------------------------------------------------------------------------
     async def start(self, me: common_pb2.KvdEndpoint) -> None:
@@ -132,7 +133,8 @@ class Kvd:
         return kvd_pb2.RegisterResponse(
             shm_name=self._shm.name, slot_bytes=self.shipper.slot_bytes,
             num_slots=self.shipper.pool.num_slots, node_id=self.me.node_id, epoch=self.epoch,
-            data_offset=L.HEADER_BYTES, max_batch_blocks=self.config.max_batch_blocks)
+            data_offset=L.HEADER_BYTES, max_batch_blocks=self.config.max_batch_blocks,
+            control_socket=self.control_socket)
 
     def _create_pool(self, layout: L.BlockLayout) -> None:
         slot_bytes = layout.block_bytes
@@ -297,10 +299,13 @@ class Kvd:
         peering.check_transfer(req, ship.slot_bytes, self.layout)
         await self.gate.check(req.peer, "peer", req.ucx_address)
         if req.direction == kvd_pb2.TransferRequest.DIRECTION_PUSH:
-            return await ship.serve_push(req)
-        if req.direction == kvd_pb2.TransferRequest.DIRECTION_PULL:
-            return ship.serve_pull(req)
-        raise BadRequest("direction: must be PUSH or PULL")
+            out = await ship.serve_push(req)
+        elif req.direction == kvd_pb2.TransferRequest.DIRECTION_PULL:
+            out = ship.serve_pull(req)
+        else:
+            raise BadRequest("direction: must be PUSH or PULL")
+        out.control_socket = self.control_socket
+        return out
 
     def stats(self) -> kvd_pb2.KvdStats:
         out = kvd_pb2.KvdStats(node_id=self.me.node_id, epoch=self.epoch,

@@ -53,6 +53,7 @@ from services.kvd.config import KvdConfig
 
 log = logging.getLogger(__name__)
 
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first touch
 # Below this many bytes a copy runs on the event loop: a thread hop costs more than it saves.
 INLINE_COPY_BYTES = 4 << 20
 
@@ -96,7 +97,9 @@ def map_segment(name: str, shm_dir: Path = segments.SHM_DIR) -> PeerPool | None:
         size = os.fstat(fd).st_size
         if size < L.HEADER_BYTES:
             return None
-        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        # Every page mapped now, once per peer: faulting them in one by one on first touch
+        # cost each fresh slot's copy ~0.25 µs a page (~0.1 ms a MiB) inside a transfer.
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
     except (OSError, ValueError):
         return None
     finally:

@@ -1,5 +1,6 @@
-"""The engine's calls over one Control stream (libs/pdserve/kvd/control.py, services/kvd/control.py)
-answer as the unary rpcs do, concurrently, and fail at once when the kvd goes. Real kvds."""
+"""The engine's calls over one Control stream or the kvd's control socket
+(libs/pdserve/kvd/control.py, services/kvd/control.py) answer as the unary rpcs do,
+concurrently, and fail at once when the kvd goes. Real kvds."""
 
 from __future__ import annotations
 
@@ -22,19 +23,22 @@ async def _failure(call: asyncio.Future[object] | object) -> tuple[grpc.StatusCo
     return err.value.code(), err.value.details() or ""
 
 
-async def test_stream_calls_fail_exactly_as_unary_ones(kvd_factory: Factory,
-                                                     redis_url: str) -> None:
+async def test_socket_and_stream_calls_fail_exactly_as_unary_ones(kvd_factory: Factory,
+                                                                redis_url: str) -> None:
     k = start(kvd_factory, redis_url)
-    streamed = await client(k)
-    unary = KvdClient(k.address, "test-unary", control_stream=False)
-    await unary.register(BlockLayout(**BLOCK))  # type: ignore[arg-type]
-    for c in (streamed, unary):
+    carriers = {}
+    for name, kwargs in (("socket", {}), ("stream", {"local_control": False}),
+                         ("unary", {"control_stream": False, "local_control": False})):
+        carriers[name] = KvdClient(k.address, f"test-{name}", **kwargs)  # type: ignore[arg-type]
+        await carriers[name].register(BlockLayout(**BLOCK))  # type: ignore[arg-type]
+        assert carriers[name].control_carrier == name
+    for c in carriers.values():
         pins, hashes, _ = await write(c, 1)
         got = [await _failure(c.release([123])),
                await _failure(c.commit([CommitEntry(pins[0], hashes[0], 7)])),
                await _failure(c.allocate(10_000)),
                await _failure(c.await_blocks([common_pb2.BlockRef(hash=b"x" * 3)], timeout=2))]
-        if c is streamed:
+        if c is carriers["socket"]:
             want = got
         assert got == want
         await c.release([p.pin_id for p in pins])  # the next client gets the same slot
@@ -43,15 +47,18 @@ async def test_stream_calls_fail_exactly_as_unary_ones(kvd_factory: Factory,
     assert want[1][1].startswith("entries[0].checksum: does not match the bytes of slot")
     assert want[2][0] == grpc.StatusCode.INVALID_ARGUMENT and "num_slots" in want[2][1]
     assert want[3][0] == grpc.StatusCode.INVALID_ARGUMENT
-    for c in (streamed, unary):
+    for c in carriers.values():
         await c.close()
 
 
+@pytest.mark.parametrize("local_control", [True, False], ids=["socket", "stream"])
 async def test_a_waiting_call_holds_back_nothing_and_a_lost_kvd_fails_calls_at_once(
-        kvd_factory: Factory, redis_url: str) -> None:
+        kvd_factory: Factory, redis_url: str, local_control: bool) -> None:
     a = start(kvd_factory, redis_url, "--fault-send-delay-ms", "5000")  # bytes come late
     b = start(kvd_factory, redis_url)
-    ca, cb = await client(a), await client(b)
+    ca = await client(a)
+    cb = KvdClient(b.address, "test-b", local_control=local_control)
+    await cb.register(BlockLayout(**BLOCK))  # type: ignore[arg-type]
     pins, hashes, sums = await write(ca, 1)
     await ca.commit([CommitEntry(pins[0], hashes[0], sums[0])], destination=endpoint(b))
     in_flight = refs(hashes, sums)

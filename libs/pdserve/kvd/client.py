@@ -18,8 +18,9 @@ Import (decode)::
         paged_cache.scatter(client.slot_view(pin.slot))   # read while pinned
     await client.release([p.pin_id for p in pins])
 
-Allocate, Commit, Await and Release travel on one stream held open to the kvd (``control``;
-``control_stream=False``: unary calls), with the same semantics and errors.
+Allocate, Commit, Await and Release travel on the kvd's Unix control socket when its Register
+names one this process can reach (``local_control``), else on one gRPC stream held open to the
+kvd (``control_stream=False``: unary calls), with the same semantics and errors either way.
 
 A slot's bytes may be read or written only while its pin is held: kvd never reuses a pinned
 slot, and a pin expires with its lease (``lease_ms``; the kvd default if 0). Failures are
@@ -30,6 +31,7 @@ are ``ValueError``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -42,9 +44,11 @@ from pdserve.auth import DATA
 from pdserve.channel import insecure_channel
 from pdserve.hashing import block_checksum
 from pdserve.kvd import layout as L
-from pdserve.kvd.control import ControlStream
+from pdserve.kvd.control import ControlStream, LocalControl
 from pdserve.proto.v1 import common_pb2, kvd_pb2, kvd_pb2_grpc
 from pdserve.telemetry import outbound_metadata
+
+log = logging.getLogger(__name__)
 
 _UNARY = {"allocate": "Allocate", "commit": "Commit", "wait": "Await", "release": "Release"}
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,6 +86,7 @@ class PoolInfo:
     epoch: int
     data_offset: int
     max_batch_blocks: int
+    control_socket: str = ""  # the kvd's Unix control socket, if it serves one
 
 
 def _pins(pb: Sequence[kvd_pb2.Pin]) -> list[Pin]:
@@ -90,7 +95,8 @@ def _pins(pb: Sequence[kvd_pb2.Pin]) -> list[Pin]:
 
 class KvdClient:
     def __init__(self, address: str, client_id: str, secret: str = "",
-                 rpc_timeout: float = 10.0, control_stream: bool = True) -> None:
+                 rpc_timeout: float = 10.0, control_stream: bool = True,
+                 local_control: bool = True) -> None:
         if not address:
             raise ValueError("address: the kvd gRPC address host:port must not be empty")
         self.client_id = client_id
@@ -103,6 +109,8 @@ class KvdClient:
         self.info: PoolInfo | None = None
         # Allocate/Commit/Await/Release over one held stream (``control``), else unary calls
         self._control = ControlStream(self._stub, self._metadata) if control_stream else None
+        self._secret, self._use_local = secret, local_control
+        self._local: LocalControl | None = None  # the kvd's control socket, once registered
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         """The credential, and the current span's trace context (the kvd's spans are its
@@ -130,8 +138,33 @@ class KvdClient:
         self._unmap()  # registering again (a restarted kvd): the old pool is not its any more
         self._shm, self.layout = shm, layout
         self.info = PoolInfo(r.shm_name, r.slot_bytes, r.num_slots, r.node_id, r.epoch,
-                             r.data_offset, r.max_batch_blocks)
+                             r.data_offset, r.max_batch_blocks, r.control_socket)
+        await self._connect_local(r.control_socket)
         return self.info
+
+    async def _connect_local(self, path: str) -> None:
+        """Use the kvd's control socket from now on, if it names one that is reachable from
+        here (a container that shares the pool but not the socket keeps the gRPC way)."""
+        if self._local is not None:
+            await self._local.close()
+            self._local = None
+        if not (path and self._use_local):
+            return
+        local = LocalControl(path, self._secret)
+        try:
+            await local.open()
+        except OSError as exc:
+            log.info("kvd control socket not reachable; using the Control rpc",
+                     extra={"fields": {"path": path, "error": str(exc)}})
+            return
+        self._local = local
+
+    @property
+    def control_carrier(self) -> str:
+        """How the per-transfer calls travel: ``socket``, ``stream`` or ``unary``."""
+        if self._local is not None:
+            return "socket"
+        return "stream" if self._control is not None else "unary"
 
     def _mapped(self, slot: int) -> tuple[shared_memory.SharedMemory, PoolInfo, int]:
         if self._shm is None or self.info is None:
@@ -178,7 +211,9 @@ class KvdClient:
         return _pins((await self._rpc("allocate", req, self._timeout)).pins)
 
     async def _rpc(self, field: str, req: Any, timeout: float) -> Any:
-        """One of the engine's per-transfer calls: on the control stream, or unary."""
+        """One of the engine's per-transfer calls: on the control socket or stream, or unary."""
+        if self._local is not None:
+            return await self._local.call(field, req, timeout)
         if self._control is not None:
             return await self._control.call(field, req, timeout)
         method = getattr(self._stub, _UNARY[field])
@@ -240,6 +275,8 @@ class KvdClient:
 
     async def close(self) -> None:
         """Close the channel and unmap the segment (kept mapped while tensor views live)."""
+        if self._local is not None:
+            await self._local.close()
         if self._control is not None:
             await self._control.close()
         await self._channel.close()
