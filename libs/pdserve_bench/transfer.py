@@ -110,9 +110,15 @@ async def _run(sizes: list[int], quick: bool) -> list[dict[str, float]]:
             reps = 20 if n == 1 else (3 if quick or n >= 256 else 5)
             nbytes = n * MIB
             row: dict[str, float] = {"batch_bytes": nbytes}
-            for path, pair in pairs.items():
-                kvd = [await pair.kvd_once(n) for _ in range(reps)]
-                e2e = [await pair.e2e_once(n, out) for _ in range(reps)]
+            kvds: dict[str, list[float]] = {path: [] for path in pairs}
+            e2es: dict[str, list[float]] = {path: [] for path in pairs}
+            for rep in range(reps):  # the paths in turns, the order reversed every other turn
+                order = list(pairs.items())
+                for path, pair in order if rep % 2 else order[::-1]:
+                    kvds[path].append(await pair.kvd_once(n))
+                    e2es[path].append(await pair.e2e_once(n, out))
+            for path in pairs:
+                kvd, e2e = kvds[path], e2es[path]
                 sfx = {"same_host": "", "stream": "_stream", "ucx": "_ucx"}[path]
                 row |= {f"kvd{sfx}_gbps": nbytes / statistics.median(kvd) / 1e9,
                         f"kvd{sfx}_best_gbps": nbytes / min(kvd) / 1e9,
