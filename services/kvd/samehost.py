@@ -53,7 +53,6 @@ from services.kvd.config import KvdConfig
 
 log = logging.getLogger(__name__)
 
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first touch
 # Below this many bytes a copy runs on the event loop: a thread hop costs more than it saves.
 INLINE_COPY_BYTES = 4 << 20
 
@@ -97,9 +96,7 @@ def map_segment(name: str, shm_dir: Path = segments.SHM_DIR) -> PeerPool | None:
         size = os.fstat(fd).st_size
         if size < L.HEADER_BYTES:
             return None
-        # Every page mapped now, once per peer: faulting them in one by one on first touch
-        # cost each fresh slot's copy ~0.25 µs a page (~0.1 ms a MiB) inside a transfer.
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+        mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     except (OSError, ValueError):
         return None
     finally:
@@ -113,6 +110,11 @@ def map_segment(name: str, shm_dir: Path = segments.SHM_DIR) -> PeerPool | None:
         return None
     return PeerPool(name, segments.owner_pid(name), L.read_token(arr.data), slot_bytes,
                     num_slots, arr)
+
+
+def prefault(arr: np.ndarray) -> None:
+    """Read one byte of every page of a mapping (numpy's reduction releases the GIL)."""
+    arr[::mmap.PAGESIZE].max()
 
 
 class SameHost:
@@ -145,6 +147,11 @@ class SameHost:
                 return None
             self._maps[name] = peer
             log.info("peer pool mapped (same host)", extra={"fields": {"shm": name}})
+            # Fault its pages in once, in the background: on first touch each fresh slot's
+            # copy paid ~0.25 µs a page (~0.1 ms a MiB) inside a transfer. Not MAP_POPULATE:
+            # mmap() holds the GIL, and a large pool would stall the event loop for seconds.
+            threading.Thread(target=prefault, args=(peer.arr,), name="kvd-prefault",
+                             daemon=True).start()
         if peer.token != token or peer.slot_bytes != self.slot_bytes or not peer.alive():
             return None  # a creator this kvd cannot see (another pid namespace): not this host
         return peer

@@ -107,7 +107,8 @@ async def test_a_bad_frame_closes_its_connection_only(kvd_factory: Factory, redi
 
 
 async def test_an_engine_that_cannot_reach_the_socket_keeps_the_grpc_stream(
-        kvd_factory: Factory, redis_url: str) -> None:
+        kvd_factory: Factory, redis_url: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     off = start(kvd_factory, redis_url, "--control-socket", "false")
     c = await client(off)
     assert c.info.control_socket == "" and c.control_carrier == "stream"  # type: ignore
@@ -122,6 +123,16 @@ async def test_an_engine_that_cannot_reach_the_socket_keeps_the_grpc_stream(
     assert c.control_carrier == "stream"
     pins, hashes, sums = await write(c, 2)
     await c.commit(entries(pins, hashes, sums))
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # takes the hello, never answers
+
+    monkeypatch.setattr("pdserve.kvd.control.HELLO_TIMEOUT", 0.2)
+    mute = await asyncio.start_unix_server(silent, path=str(tmp_path / "mute.sock"))
+    await c._connect_local(str(tmp_path / "mute.sock"))  # a socket that does not answer
+    assert c.control_carrier == "stream"
+    assert len(await c.allocate(1)) == 1
+    mute.close()
     await c.close()
 
 

@@ -105,6 +105,8 @@ async def test_an_engine_registers_again_with_a_restarted_kvd(kvd_factory: Facto
     link = KvdLink(bridge, retry_s=0.1)
     await link.start()
     first_epoch = bridge.epoch
+    assert bridge.client.info is not None and bridge.client.control_carrier == "socket"
+    first_socket = bridge.client.info.control_socket
     try:
         assert await bridge.load_prefix([b"\1" * 32], 1.0) == []
         kvd.kill()
@@ -125,6 +127,12 @@ async def test_an_engine_registers_again_with_a_restarted_kvd(kvd_factory: Facto
         assert await bridge.load_prefix([b"\1" * 32], 1.0) == []
         assert bridge.client.info is not None
         assert Path(segments.SHM_DIR / bridge.client.info.shm_name).exists()
+        # the calls go on the restarted kvd's own socket (the old one was swept)
+        assert bridge.client.info.control_socket != first_socket
+        assert bridge.client.control_carrier == "socket"
+        assert not Path(first_socket).exists()
+        pins = await bridge.client.allocate(1)
+        assert await bridge.client.release([p.pin_id for p in pins]) == 1
     finally:
         await link.stop()
         await bridge.client.close()

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
+import grpc
 import torch
 
 from pdserve.auth import DATA
@@ -153,7 +154,9 @@ class KvdClient:
         local = LocalControl(path, self._secret)
         try:
             await local.open()
-        except OSError as exc:
+        except (OSError, grpc.aio.AioRpcError) as exc:
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise  # refused: the kvd's answer, as its gRPC calls would give it
             log.info("kvd control socket not reachable; using the Control rpc",
                      extra={"fields": {"path": path, "error": str(exc)}})
             return

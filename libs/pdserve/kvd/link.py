@@ -41,6 +41,9 @@ class KvdLink:
         start), then keep the link in the background."""
         await self.bridge.register()
         self.num_registrations = 1
+        log.info("registered with the kvd",
+                 extra={"fields": {"kvd": self.bridge.address, "epoch": self.bridge.epoch,
+                                   "control": self.bridge.client.control_carrier}})
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -87,5 +90,6 @@ class KvdLink:
                 continue
             self.num_registrations += 1
             log.info("registered with the kvd again",
-                     extra={"fields": {"kvd": self.bridge.address, "epoch": self.bridge.epoch}})
+                     extra={"fields": {"kvd": self.bridge.address, "epoch": self.bridge.epoch,
+                                       "control": self.bridge.client.control_carrier}})
             return
