@@ -1,5 +1,7 @@
 """The measured inter-token latency is per streamed chunk, not per token: ``--validate`` groups
-the simulated tokens into the chunks the real stream sent.
+the simulated tokens into the chunks the real stream sent. (Runs whose stream carried the
+per-chunk token count, ``continuous_usage = true`` through a gateway since 2026-12-06, have one
+gap per token: ``chunk_sizes`` then gives one token per chunk, and the grouping is the identity.)
 
 The engine streams text: a token whose bytes do not yet make printable text (a piece of a
 UTF-8 character) adds none, and the bench client counts one token per chunk with text when
