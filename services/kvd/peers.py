@@ -12,6 +12,7 @@ again for that peer; one that fails is forgotten, and the peer's next answer nam
 from __future__ import annotations
 
 import logging
+from pathlib import PurePosixPath
 
 import grpc
 
@@ -20,9 +21,18 @@ from pdserve.channel import insecure_channel
 from pdserve.kvd.control import ControlStream, LocalControl
 from pdserve.proto.v1 import kvd_pb2, kvd_pb2_grpc
 from pdserve.telemetry import outbound_metadata
+from services.kvd import segments
 
 log = logging.getLogger(__name__)
 _DOWN = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+
+
+def is_control_socket(path: str) -> bool:
+    """Whether a peer's answer names a kvd control socket (``control_socket.socket_path``):
+    this kvd presents its credential only there, not at any path an answer may name."""
+    p = PurePosixPath(path)
+    return (p.parent == PurePosixPath(segments.SHM_DIR)
+            and p.name.startswith(f"{segments.PREFIX}ctl-") and ".." not in p.parts)
 
 
 class Peers:
@@ -74,7 +84,8 @@ class Peers:
                 await self._forget(address)  # the peer went: its next answer names its socket
             raise
         path = resp.control_socket
-        if path and address not in self._sockets and path not in self._unreachable:
+        if (is_control_socket(path) and address not in self._sockets
+                and path not in self._unreachable):
             self._sockets[address] = LocalControl(path, self.secret)
         return resp
 

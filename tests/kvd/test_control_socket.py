@@ -19,6 +19,7 @@ from pdserve.kvd.client import KvdClient
 from pdserve.kvd.control import LocalControl, frame, read_frame
 from pdserve.kvd.layout import BlockLayout
 from pdserve.proto.v1 import kvd_pb2
+from services.kvd.peers import is_control_socket
 from tests.kvd.conftest import BLOCK, KvdProc, common_args
 from tests.kvd.test_kvd_processes import Factory, client, endpoint, entries, refs, start, write
 
@@ -167,3 +168,16 @@ async def test_a_peer_kvd_of_the_host_sends_its_transfers_on_the_receivers_socke
     await push()
     for c in (ca, cb):
         await c.close()
+
+
+@pytest.mark.parametrize(("path", "accepted"), [
+    ("/dev/shm/pdserve-kvd-ctl-127-0-0-1-50081-7-1796500000000", True),
+    ("/tmp/listener.sock", False),                      # any path an answer may name
+    ("/dev/shm/pdserve-kvd-127-0-0-1-50081-7-1", False),  # a pool segment, not a socket
+    ("/dev/shm/../tmp/pdserve-kvd-ctl-x-1-2", False),
+    ("/dev/shm/sub/pdserve-kvd-ctl-x-1-2", False),
+    ("", False),
+])
+def test_a_kvd_presents_its_credential_only_at_a_kvd_control_socket(path: str,
+                                                                   accepted: bool) -> None:
+    assert is_control_socket(path) is accepted
