@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import grpc
 import numpy as np
@@ -99,7 +100,7 @@ async def bench_grpc(address: str, n: int, reps: int) -> float:
     return n * MIB / statistics.median(times) / 1e9
 
 
-async def _run(sizes: list[int], quick: bool) -> list[dict[str, float]]:
+async def _run(sizes: list[int], quick: bool) -> list[dict[str, Any]]:
     procs, clients, pairs = await kvd_pairs(2 * max(sizes) + 64)
     sink, sink_port = spawn(["-c", _SINK])
     procs.append(sink)
@@ -109,7 +110,7 @@ async def _run(sizes: list[int], quick: bool) -> list[dict[str, float]]:
         for n in sizes:
             reps = 20 if n == 1 else (3 if quick or n >= 256 else 5)
             nbytes = n * MIB
-            row: dict[str, float] = {"batch_bytes": nbytes}
+            row: dict[str, Any] = {"batch_bytes": nbytes}
             kvds: dict[str, list[float]] = {path: [] for path in pairs}
             e2es: dict[str, list[float]] = {path: [] for path in pairs}
             for rep in range(reps):  # the paths in turns, the order reversed every other turn
@@ -125,6 +126,11 @@ async def _run(sizes: list[int], quick: bool) -> list[dict[str, float]]:
                         f"e2e{sfx}_gbps": nbytes / statistics.median(e2e) / 1e9,
                         f"kvd{sfx}_latency_ms": statistics.median(kvd) * 1e3,
                         f"e2e{sfx}_latency_ms": statistics.median(e2e) * 1e3}
+            # how each pair's engines' calls really travelled (a socket the client could not
+            # open would have left it on the stream)
+            row |= {f"control{sfx}": pair.a.control_carrier for sfx, pair in
+                    (("", pairs["same_host"]), ("_stream", pairs["stream"]),
+                     ("_ucx", pairs["ucx"]))}
             row |= {"memcpy_gbps": bench_memcpy(n, reps),
                     "memcpy_blocks_gbps": bench_memcpy(n, reps, MIB),
                     "grpc_gbps": await bench_grpc(f"127.0.0.1:{sink_port}", n, min(reps, 5))}

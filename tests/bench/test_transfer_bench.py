@@ -22,6 +22,9 @@ def test_the_default_mode_moves_a_batch_between_two_kvds() -> None:
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["batch_bytes"] for r in rows] == [1 << 20]
     assert rows[0]["kvd_gbps"] > 0 and rows[0]["e2e_gbps"] > 0 and rows[0]["grpc_gbps"] > 0
+    assert rows[0]["e2e_stream_gbps"] > 0 and rows[0]["e2e_ucx_gbps"] > 0
+    # the engines' calls went the way each column says
+    assert (rows[0]["control"], rows[0]["control_stream"]) == ("socket", "stream")
 
 
 def test_a_batch_below_one_mib_is_refused() -> None:
