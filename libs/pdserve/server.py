@@ -131,7 +131,11 @@ def freeze_heap() -> None:
     (``gc.freeze``). That is the imported libraries, a model and its modules: ~237k objects in
     an engine process. A full collection of them took ~100 ms on the 2-core machine, and one
     came every few seconds of decoding; it holds the GIL, so every stream of the engine
-    stalled for it. Objects made later, per request, are collected as before."""
+    stalled for it. Objects made later, per request, are collected as before.
+    ``PDSERVE_GC_FREEZE=0`` leaves it to the collector (the bench's comparison of the two)."""
+    if not env.gc_freeze():
+        log.info("heap left to the cyclic collector (PDSERVE_GC_FREEZE=0)")
+        return
     gc.collect()  # what is garbage now is freed, not frozen
     gc.freeze()
     log.info("heap frozen", extra={"fields": {"objects": gc.get_freeze_count()}})
