@@ -222,7 +222,6 @@ LOG_LEVEL_VAR = "PDSERVE_LOG_LEVEL"
 OTEL_ENDPOINT_VAR = "PDSERVE_OTEL_ENDPOINT"  # OTLP/gRPC collector; unset = traces stay local
 PROFILE_DIR_VAR = "PDSERVE_PROFILE_DIR"  # write a cProfile file per process here on exit
 UP_VERBOSE_VAR = "PDSERVE_UP_VERBOSE"  # pdserve up: pass every service's log lines through
-GC_FREEZE_VAR = "PDSERVE_GC_FREEZE"  # 0: leave the start-up heap to the cyclic collector
 REDIS_URL_VAR = "REDIS_URL"  # the services' --redis-url; pdserve up uses it instead of its own
 # Credentials (pdserve.auth), each also from a file named by <name>_FILE; never flags.
 SECRET_VAR = "PDSERVE_SECRET"  # the data planes: router <-> engines <-> kvds
@@ -237,7 +236,6 @@ COMMON_VARS: dict[str, Kind] = {
     OTEL_ENDPOINT_VAR: STR,
     PROFILE_DIR_VAR: STR,
     UP_VERBOSE_VAR: BOOL,
-    GC_FREEZE_VAR: BOOL,
     **{name: STR for var in SECRET_VARS for name in (var, f"{var}_FILE")},
 }
 
@@ -334,10 +332,6 @@ def secret(var: str, environ: Mapping[str, str] | None = None) -> str:
             return f.readline().strip()
     except OSError as exc:
         raise ConfigError(f"{var}_FILE: cannot read {path!r}: {exc.strerror}") from exc
-
-
-def gc_freeze() -> bool:
-    return BOOL.parse(common(GC_FREEZE_VAR, "1"))
 
 
 def up_verbose() -> bool:

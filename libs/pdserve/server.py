@@ -7,7 +7,6 @@ Each service's ``__main__`` does: flags -> config -> ``create_server(config)`` -
 from __future__ import annotations
 
 import asyncio
-import gc
 import importlib.util
 import logging
 import signal
@@ -126,21 +125,6 @@ def start_metrics(host: str, port: int) -> int | None:
     return int(http_server.server_port)
 
 
-def freeze_heap() -> None:
-    """Put every object alive once a service has started out of the cyclic collector's reach
-    (``gc.freeze``). That is the imported libraries, a model and its modules: ~237k objects in
-    an engine process. A full collection of them took ~100 ms on the 2-core machine, and one
-    came every few seconds of decoding; it holds the GIL, so every stream of the engine
-    stalled for it. Objects made later, per request, are collected as before.
-    ``PDSERVE_GC_FREEZE=0`` leaves it to the collector (the bench's comparison of the two)."""
-    if not env.gc_freeze():
-        log.info("heap left to the cyclic collector (PDSERVE_GC_FREEZE=0)")
-        return
-    gc.collect()  # what is garbage now is freed, not frozen
-    gc.freeze()
-    log.info("heap frozen", extra={"fields": {"objects": gc.get_freeze_count()}})
-
-
 async def serve(name: str, host: str, svc: Service, grace: float = 5.0,
                 metrics_port: int = -1) -> None:
     """Start, print the ready line, wait for SIGTERM/SIGINT, stop gracefully."""
@@ -154,7 +138,6 @@ async def serve(name: str, host: str, svc: Service, grace: float = 5.0,
     await svc.set_serving(True)
     bound_metrics = start_metrics(host, metrics_port)
     extra = f" (metrics on {host}:{bound_metrics})" if bound_metrics is not None else ""
-    freeze_heap()
     print(f"pdserve {name} listening on {host}:{svc.port}{extra}", flush=True)
     log.info("serving", extra={"fields": {"port": svc.port}})
     await stop.wait()

@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 
-from pdserve.server import event_loop, freeze_heap, run_main
+from pdserve.server import event_loop, run_main
 from services.gateway.auth import KeyStore
 from services.gateway.config import GatewayConfig
 from services.gateway.server import GatewayServer
@@ -24,7 +24,6 @@ async def serve(config: GatewayConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     server = GatewayServer(config, keys)
     await server.start()
-    freeze_heap()
     print(server.ready_line, flush=True)
     await stop.wait()
     log.info("shutting down")
