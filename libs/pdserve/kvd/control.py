@@ -43,6 +43,11 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+def answered_error(resp: kvd_pb2.ControlResponse) -> grpc.aio.AioRpcError:
+    """The error a ``ControlError`` answer stands for (what the unary rpc would raise)."""
+    return rpc_error(_CODES.get(resp.error.code, grpc.StatusCode.UNKNOWN), resp.error.message)
+
+
 class FrameError(Exception):
     """A frame that is not a well-formed message of the expected type, or over ``MAX_FRAME``."""
 
@@ -87,9 +92,19 @@ class _Multiplexed:
         self._pending: dict[int, asyncio.Future[kvd_pb2.ControlResponse]] = {}
         self._ids = itertools.count(1)
         self._write = asyncio.Lock()
+        self._reader: asyncio.Task[None] | None = None  # hands answers to their callers
 
     async def _send(self, req: kvd_pb2.ControlRequest) -> None:
         raise NotImplementedError
+
+    def _disconnect(self) -> None:
+        """End the connection (its reader then ends too, failing the calls still waiting)."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        self._disconnect()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
 
     async def call(self, field: str, message: Any, timeout: float) -> Any:
         """Send ``message`` as the request's ``field``; its answer (that field), or the
@@ -111,8 +126,7 @@ class _Multiplexed:
         finally:
             self._pending.pop(rid, None)
         if resp.WhichOneof("result") == "error":
-            raise rpc_error(_CODES.get(resp.error.code, grpc.StatusCode.UNKNOWN),
-                            resp.error.message)
+            raise answered_error(resp)
         return getattr(resp, field)
 
     def _deliver(self, resp: kvd_pb2.ControlResponse) -> None:
@@ -135,7 +149,6 @@ class ControlStream(_Multiplexed):
         self._stub = stub
         self._metadata = metadata
         self._call: Any = None
-        self._reader: asyncio.Task[None] | None = None
 
     async def _send(self, req: kvd_pb2.ControlRequest) -> None:
         try:
@@ -160,12 +173,10 @@ class ControlStream(_Multiplexed):
                 self._call = None
             self._fail_pending(err)
 
-    async def close(self) -> None:
+    def _disconnect(self) -> None:
         call, self._call = self._call, None
         if call is not None:
             call.cancel()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
 
 
 class LocalControl(_Multiplexed):
@@ -176,12 +187,13 @@ class LocalControl(_Multiplexed):
         self.path = path
         self._secret = secret
         self._writer: asyncio.StreamWriter | None = None
-        self._reader: asyncio.Task[None] | None = None
         self._opening = asyncio.Lock()
 
     async def open(self) -> None:
         """Connect and present the credential (if not connected). ``OSError`` when the
         socket cannot be reached from here; the kvd's refusal as its ``AioRpcError``."""
+        if self._writer is not None:  # every message asks: the common case takes no lock
+            return
         async with self._opening:  # callers at once share one connection
             if self._writer is None:
                 await self._connect()
@@ -197,13 +209,13 @@ class LocalControl(_Multiplexed):
             raise rpc_error(grpc.StatusCode.UNAVAILABLE,
                             f"kvd control socket {self.path}: no answer to the hello "
                             f"({type(exc).__name__}: {exc})") from exc
-        if answer is None or answer.WhichOneof("result") == "error":
+        if answer is None:
             writer.close()
-            if answer is None:
-                raise rpc_error(grpc.StatusCode.UNAVAILABLE,
-                                f"kvd control socket {self.path}: closed at the hello")
-            raise rpc_error(_CODES.get(answer.error.code, grpc.StatusCode.UNKNOWN),
-                            answer.error.message)
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                            f"kvd control socket {self.path}: closed at the hello")
+        if answer.WhichOneof("result") == "error":
+            writer.close()
+            raise answered_error(answer)
         self._writer = writer
         self._reader = asyncio.ensure_future(self._read(reader, writer))
 
@@ -214,7 +226,7 @@ class LocalControl(_Multiplexed):
             self._writer.write(frame(req))
             await self._writer.drain()
         except OSError as exc:
-            self._writer = None
+            self._disconnect()
             raise _Ended(rpc_error(grpc.StatusCode.UNAVAILABLE,
                                    f"kvd control socket {self.path}: {exc}")) from exc
 
@@ -233,10 +245,7 @@ class LocalControl(_Multiplexed):
             writer.close()
             self._fail_pending(err)
 
-    async def close(self) -> None:
+    def _disconnect(self) -> None:
         writer, self._writer = self._writer, None
         if writer is not None:
-            writer.close()
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+            writer.close()  # its reader reads the end of the stream and returns
