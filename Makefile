@@ -26,6 +26,7 @@ $(PY):
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet $$(scripts/torch_spec.sh)
 	$(PIP) install --quiet -e '.[test,dev,bench,local,controller,fast]'
+	$(PY) -c "from pdserve.attention import cpu_decode; cpu_decode.main()"
 	touch $@
 
 protos $(STUBS): $(PROTOS) scripts/gen_protos.py | .setup-stamp

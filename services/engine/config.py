@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from pdserve.attention import BACKENDS
+from pdserve.attention.cpu_decode import MODES as NATIVE_MODES
 from pdserve.attention.kv_quant import KV_CACHE_DTYPES
 from pdserve.engine.config import DTYPE_NAMES, EngineArgs
 from pdserve.env import (
@@ -75,6 +76,11 @@ class EngineServiceConfig(GrpcServiceConfig):
         "most MiB the CPU decode mirror may hold (a dense copy of the running decode batch's "
         "K/V, so a step skips the paged gather); -1 = as much as the KV cache, at most 1024; "
         "0 = none")
+    native_attention: str = setting(
+        "auto", choice_kind(*NATIVE_MODES),
+        "CPU decode attention: a C++ kernel (AVX-512 with BF16; built once with the machine's "
+        "C++ compiler, cached in $PDSERVE_KERNEL_CACHE); auto = where it can run, else torch's "
+        "SDPA; on = fail where it cannot; off = SDPA")
     calibrate: bool = setting(
         False, BOOL, "measure this engine's prefill rate and decode steps at start (~1-3 s on "
         "a CPU core for a 50M model) and report them in Stats, for the P:D controller to start "
@@ -130,7 +136,8 @@ class EngineServiceConfig(GrpcServiceConfig):
                 device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
                 cuda_graphs=self.cuda_graphs, packed_weights=self.packed_weights,
                 decode_mirror_memory_bytes=(None if self.decode_mirror_mib < 0
-                                            else self.decode_mirror_mib << 20))
+                                            else self.decode_mirror_mib << 20),
+                native_attention=self.native_attention)
         except ValueError as exc:
             field, _, rest = str(exc).partition(" ")  # every message starts with its field
             raise ConfigError(f"--{field.replace('_', '-')} {rest}") from exc

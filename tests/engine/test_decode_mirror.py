@@ -81,8 +81,21 @@ def test_mirror_grows_past_its_capacity() -> None:
     sim = TwoBackends()
     sim.step([("a", 2)])
     modes = [sim.step([("a", 1)]) for _ in range(130)]  # 3 .. 132 tokens
-    assert modes[0] == "refill" and sim.mirrored.mirror.cap == 256  # 3 + 64 -> 128, 129 + 64
-    assert [i for i, mode in enumerate(modes) if mode == "refill"] == [0, 126]
+    assert modes[0] == "refill" and sim.mirrored.mirror.cap == 160  # 3 + 64 -> 80, 81 + 64
+    assert [i for i, mode in enumerate(modes) if mode == "refill"] == [0, 78]
+
+
+def test_a_tight_budget_shrinks_the_headroom_but_keeps_the_mirror() -> None:
+    """A cache sized to its batch (as a bench sizes it) still gets a mirror: the headroom
+    shrinks to what ``max_bytes`` holds, down to MIN_HEADROOM; below that, none."""
+    per_token = 2 * 2 * KVH * HD * 4 * LAYERS  # two sequences, K and V, float32
+    sim = TwoBackends(max_bytes=per_token * 30)
+    sim.step([("a", 5), ("b", 3)])
+    modes = [sim.step([("a", 1), ("b", 1)]) for _ in range(25)]  # a: 6 .. 30 tokens
+    assert modes[0] == "refill" and sim.mirrored.mirror.cap == 30  # not 6 + 64 -> 80
+    assert modes[1:] == ["append"] * 24
+    assert sim.step([("a", 1), ("b", 1)]) is None  # a: 31 tokens + 16 of headroom > 30
+    assert sim.mirrored.mirror.buffers == [None] * LAYERS
 
 
 def test_request_reusing_finished_pages_is_refilled() -> None:

@@ -1,7 +1,8 @@
 """Attention backends, imported lazily so CPU code never imports FlashInfer or touches CUDA.
 
     get_backend("auto" | "torch" | "flashinfer", kv_caches=[...], num_qo_heads=..., scale=...,
-                kv_scales=[...] for a quantized (fp8/int8) cache, q_dtype=the model's dtype)
+                kv_scales=[...] for a quantized (fp8/int8) cache, q_dtype=the model's dtype,
+                native="auto" | "on" | "off": the torch backend's CPU decode kernel)
 
 "auto" picks FlashInfer only when the cache lives on CUDA in float16/bfloat16, the package is
 installed and FlashInfer dispatches the shape (head_dim, query heads per KV head); otherwise
@@ -17,11 +18,12 @@ import logging
 import torch
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.attention.cpu_decode import DecodeKernel
 
 BACKENDS = ("auto", "torch", "flashinfer")
 
 __all__ = ["BACKENDS", "AttentionBackend", "AttentionMetadata", "flashinfer_unsupported",
-           "get_backend", "resolve_backend"]
+           "get_backend", "native_decode", "resolve_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +58,12 @@ def flashinfer_unsupported(kv_cache: torch.Tensor, num_qo_heads: int | None,
 def get_backend(name: str, kv_caches: list[torch.Tensor], num_qo_heads: int | None = None,
                 scale: float | None = None, kv_scales: list[torch.Tensor] | None = None,
                 q_dtype: torch.dtype | None = None, mirror_bytes: int | None = None,
-                ) -> AttentionBackend:
+                native: str = "off") -> AttentionBackend:
     """Build the backend over per-layer caches ``[pages, 2, page_size, kv_heads, head_dim]``
     (and, quantized, their scales ``[pages, 2, page_size, kv_heads]``). ``mirror_bytes``: the
     most the torch backend's decode mirror may hold (``decode_mirror.py``; None: its default,
-    0: none)."""
+    0: none). ``native``: the torch backend's CPU decode kernel, "auto" | "on" | "off"
+    (``cpu_decode.py``)."""
     if not kv_caches:
         raise ValueError("kv_caches must hold one tensor per layer")
     resolved = resolve_backend(name, kv_caches[0].device)
@@ -80,4 +83,28 @@ def get_backend(name: str, kv_caches: list[torch.Tensor], num_qo_heads: int | No
                                  q_dtype=q_dtype)
     from pdserve.attention.torch_backend import TorchBackend
 
-    return TorchBackend(kv_caches, scale=scale, kv_scales=kv_scales, mirror_bytes=mirror_bytes)
+    return TorchBackend(kv_caches, scale=scale, kv_scales=kv_scales, mirror_bytes=mirror_bytes,
+                        native=native_decode(native, kv_caches[0], num_qo_heads, q_dtype))
+
+
+def native_decode(mode: str, kv_cache: torch.Tensor, num_qo_heads: int | None,
+                  q_dtype: torch.dtype | None) -> DecodeKernel | None:
+    """The CPU decode kernel for this cache under ``mode`` (None: SDPA serves); "on" raises
+    ValueError where it cannot serve, naming why."""
+    from pdserve.attention import cpu_decode
+
+    if mode not in cpu_decode.MODES:
+        raise ValueError(f"native_attention must be one of {cpu_decode.MODES}, got {mode!r}")
+    if mode == "off":
+        return None
+    _, _, _, num_kv_heads, head_dim = kv_cache.shape
+    reason = ("the cache is not on the CPU" if kv_cache.device.type != "cpu" else
+              cpu_decode.serves(head_dim, num_qo_heads or num_kv_heads, num_kv_heads,
+                                q_dtype or kv_cache.dtype))
+    if reason is not None:
+        if mode == "on":
+            raise ValueError(f"native_attention 'on' cannot serve this model: {reason}")
+        log.info("decode attention: torch SDPA, not the native kernel",
+                 extra={"fields": {"reason": reason}})
+        return None
+    return cpu_decode.load(mode)

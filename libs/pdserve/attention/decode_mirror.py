@@ -8,7 +8,8 @@ gathered K/V of each sequence, padded to ``cap`` tokens. A step whose batch cont
 last one (same sequences in the same order, each one token longer, each page table extending
 the last) only appends the new token's K and V at position ``kv_len - 1`` and attends over
 ``[:, :, :max_kv]``; any other decode step gathers as before and refills the mirror, with
-``cap`` rounded up so that the next ``GROW`` steps fit.
+``cap`` rounded up so that the next ``GROW`` steps fit (fewer, down to ``MIN_HEADROOM``, where
+``max_bytes`` allows no more: a cache sized to its batch still gets a mirror).
 
 Why the copy is never stale: a page held by a live sequence changes only by that sequence's
 own new tokens (which the store writes to both), prefix-cached pages are full and immutable,
@@ -28,7 +29,9 @@ from __future__ import annotations
 
 import torch
 
-GROW = 64  # tokens of headroom per sequence after a refill
+GROW = 64  # tokens of headroom per sequence after a refill, where the budget allows
+MIN_HEADROOM = 16  # fewer would refill (gather) nearly every step: not worth the copy
+ALIGN = 16  # cap is a multiple of this where the budget allows
 MAX_BYTES = 1 << 30  # all layers together, where no engine setting bounds it
 
 
@@ -58,10 +61,12 @@ class DecodeMirror:
                 and all(t[:len(p)] == p for t, p in zip(page_table, last[1], strict=True))):
             self.mode = "append"
         else:
-            cap = -(-(self.max_kv + GROW) // GROW) * GROW
-            if 2 * len(kv_lens) * cap * self.row_bytes * self.num_layers > self.max_bytes:
+            # GROW steps of headroom where the budget allows, at least MIN_HEADROOM.
+            fits = self.max_bytes // (2 * len(kv_lens) * self.row_bytes * self.num_layers)
+            if fits < self.max_kv + MIN_HEADROOM:
                 self.clear(release=True)
                 return
+            cap = min(-(-(self.max_kv + GROW) // ALIGN) * ALIGN, fits)
             if self.buffers[0] is not None and self.buffers[0].shape[1:3] != (len(kv_lens), cap):
                 # New shapes: drop the old buffers before any layer allocates its new one, so
                 # the old and new copies are never held together (max_bytes bounds the peak).

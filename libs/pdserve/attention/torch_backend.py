@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.attention.base import AttentionBackend, AttentionMetadata
+from pdserve.attention.cpu_decode import DecodeKernel
 from pdserve.attention.decode_mirror import MAX_BYTES, DecodeMirror
 from pdserve.attention.kv_quant import BY_STORAGE_NAME, KVQuant
 
@@ -42,6 +43,7 @@ class _GroupPlan:
                  page_table: list[list[int]], page_size: int) -> None:
         ps, dev = page_size, qo.device
         starts, q_lens, kv_lens = qo[:-1][seqs], (qo[1:] - qo[:-1])[seqs], kv_lens[seqs]
+        self.kv_lens = kv_lens.contiguous()
         num_seqs, max_q, max_kv = len(seqs), int(q_lens.max()), int(kv_lens.max())
         max_pages = -(-max_kv // ps)
         table = torch.zeros(num_seqs, max_pages, dtype=torch.long)
@@ -87,13 +89,20 @@ class _GroupPlan:
         return kv.view(2, num_seqs, max_kv, -1)
 
     def attend(self, q: torch.Tensor, kv: torch.Tensor, num_kv_heads: int,
-               scale: float | None) -> torch.Tensor:
+               scale: float | None, native: DecodeKernel | None = None) -> torch.Tensor:
         """q: the step's [T, H, D]; kv: ``gather``'s layout (or a view of the same shape);
-        returns [tokens of this group, H, D] in token order."""
+        returns [tokens of this group, H, D] in token order. ``native``: the CPU decode
+        kernel (``cpu_decode.py``), used for a decode group."""
         num_seqs, max_q, max_kv = self.shape
         num_heads, head_dim = q.shape[1], q.shape[2]
-        kv = kv.to(q.dtype).view(2, num_seqs, max_kv, num_kv_heads, head_dim).transpose(2, 3)
         qp = q if self.is_whole_step else q.index_select(0, self.q_index.flatten())
+        if max_q == 1 and native is not None:
+            # Each sequence's own length bounds its keys: no mask, no padded key is read.
+            qg = qp.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            out = native(qg.contiguous(), kv.to(q.dtype), self.kv_lens,
+                         head_dim ** -0.5 if scale is None else scale)
+            return out.reshape(num_seqs, num_heads, head_dim)
+        kv = kv.to(q.dtype).view(2, num_seqs, max_kv, num_kv_heads, head_dim).transpose(2, 3)
         if max_q == 1:
             # Decode: the query heads sharing a KV head are that head's queries, so SDPA
             # reads K and V as stored, with no per-head copy (enable_gqa expands them).
@@ -112,7 +121,7 @@ class _GroupPlan:
 class TorchBackend(AttentionBackend):
     def __init__(self, kv_caches: list[torch.Tensor], scale: float | None = None,
                  kv_scales: list[torch.Tensor] | None = None, unit_scales: bool = False,
-                 mirror_bytes: int | None = None) -> None:
+                 mirror_bytes: int | None = None, native: DecodeKernel | None = None) -> None:
         if not kv_caches:
             raise ValueError("kv_caches must hold one tensor per layer")
         self.kv_caches = kv_caches
@@ -125,6 +134,8 @@ class TorchBackend(AttentionBackend):
         _, _, self.page_size, self.num_kv_heads, self.head_dim = kv_caches[0].shape
         self.scale = scale
         self.device = kv_caches[0].device
+        # The CPU decode kernel (cpu_decode.py): decode groups only, any cache it can read.
+        self.native = native if self.device.type == "cpu" else None
         self.groups: list[_GroupPlan] = []
         row_bytes = self.num_kv_heads * self.head_dim * kv_caches[0].element_size()
         # CPU only, unquantized: decode_mirror.py says why.
@@ -169,18 +180,19 @@ class TorchBackend(AttentionBackend):
                 gather = None if self.mirror.mode == "append" else plan.gather(
                     rows, self.num_kv_heads, rows.dtype)
                 kv = self.mirror.update(layer_id, k_rows, v_rows, gather)
-                return plan.attend(q, kv, self.num_kv_heads, self.scale)
+                return plan.attend(q, kv, self.num_kv_heads, self.scale, self.native)
         else:
             scale_rows = self.kv_scales[layer_id].view(-1, self.num_kv_heads)
             self._store_quantized(rows, scale_rows, k, v)
         if len(self.groups) == 1:  # one group holds every token, in order
             plan = self.groups[0]
             kv = plan.gather(rows, self.num_kv_heads, q.dtype, scale_rows)
-            return plan.attend(q, kv, self.num_kv_heads, self.scale)
+            return plan.attend(q, kv, self.num_kv_heads, self.scale, self.native)
         out = torch.empty_like(q)
         for plan in self.groups:
             kv = plan.gather(rows, self.num_kv_heads, q.dtype, scale_rows)
-            out[plan.token_index] = plan.attend(q, kv, self.num_kv_heads, self.scale)
+            out[plan.token_index] = plan.attend(q, kv, self.num_kv_heads, self.scale,
+                                                self.native)
         return out
 
     def _store_quantized(self, rows: torch.Tensor, scale_rows: torch.Tensor, k: torch.Tensor,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.attention import BACKENDS
+from pdserve.attention.cpu_decode import MODES as NATIVE_MODES
 from pdserve.attention.kv_quant import KV_CACHE_DTYPES
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -52,7 +53,9 @@ class EngineArgs:
     plain weights. decode_mirror_memory_bytes: the most the torch backend's decode mirror (a
     dense copy of a running decode batch's K/V, attention/decode_mirror.py; CPU only) may
     hold; None = as much as the KV cache itself (so K/V memory is at most twice the cache),
-    at most 1 GiB; 0 = no mirror."""
+    at most 1 GiB; 0 = no mirror. native_attention: the CPU decode attention kernel
+    (attention/cpu_decode.py, built at first use): "auto" where the CPU and a C++ compiler
+    allow, else torch's SDPA; "on" fails instead; "off" is SDPA."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -69,6 +72,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     packed_weights: bool = True
     decode_mirror_memory_bytes: int | None = None
+    native_attention: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -97,6 +101,9 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.native_attention not in NATIVE_MODES:
+            raise ValueError(f"native_attention must be one of {NATIVE_MODES}, "
+                             f"got {self.native_attention!r}")
         if not isinstance(self.packed_weights, bool):
             raise ValueError(f"packed_weights must be a bool, got {self.packed_weights!r}")
         check_device(self.device)

@@ -73,11 +73,12 @@ def build_parts(lm: LoadedModel, args: EngineArgs, max_model_len: int) -> Engine
                          cfg.num_kv_heads, cfg.head_dim, cfg.dtype, device, quant)
     backend = get_backend(args.attention_backend, cache.layers, cfg.num_heads,
                           kv_scales=cache.layer_scales, q_dtype=cfg.dtype,
-                          mirror_bytes=mirror_bytes)
+                          mirror_bytes=mirror_bytes, native=args.native_attention)
     if isinstance(backend, TorchBackend):
         log.info("KV memory", extra={"fields": {
             "num_blocks": num_blocks, "cache_mib": round(num_blocks * per_block / 2**20, 1),
-            "decode_mirror_max_mib": round(backend.mirror.max_bytes / 2**20, 1)}})
+            "decode_mirror_max_mib": round(backend.mirror.max_bytes / 2**20, 1),
+            "decode_attention": "native" if backend.native else "sdpa"}})
     cache.unit_scales = quant is not None and isinstance(backend, FlashInferBackend)
     graphs = None
     if use_graphs and isinstance(backend, FlashInferBackend):

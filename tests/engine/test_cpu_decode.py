@@ -1,0 +1,245 @@
+"""The native CPU decode attention (attention/cpu_decode.py): the values of a float64
+softmax, only each sequence's own keys read, the torch backend's decode steps unchanged within
+rounding, and every way it can be refused named."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.attention import cpu_decode, get_backend
+from pdserve.attention.base import AttentionMetadata
+from pdserve.attention.torch_backend import TorchBackend
+from pdserve.engine.config import EngineArgs
+from pdserve.sampling_params import SamplingParams
+from services.prefill.config import PrefillConfig
+from tests.engine.helpers import make_engine, random_prompts, run_all
+
+runs_here = pytest.mark.skipif(
+    bool(cpu_decode.missing_cpu_flags()),
+    reason=f"the CPU lacks {cpu_decode.missing_cpu_flags()} (the kernel's instructions)")
+
+
+def reference(q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, scale: float
+              ) -> torch.Tensor:
+    """softmax(scale q k^T) v in float64, sequence by sequence, from ``kv``'s layout."""
+    b, h, g, d = q.shape
+    out = torch.empty(b, h, g, d, dtype=torch.float64)
+    for i in range(b):
+        n = int(lens[i])
+        k = kv[0, i, :n].double().view(n, h, d).transpose(0, 1)  # [h, n, d]
+        v = kv[1, i, :n].double().view(n, h, d).transpose(0, 1)
+        out[i] = torch.softmax(q[i].double() @ k.transpose(1, 2) * scale, -1) @ v
+    return out
+
+
+def inputs(dtype: torch.dtype, b: int, h: int, g: int, d: int, lens: list[int], cap: int,
+           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, g, d, generator=gen).to(dtype)
+    kv = torch.randn(2, b, cap, h * d, generator=gen).to(dtype)
+    return q, kv, torch.tensor(lens, dtype=torch.long)
+
+
+@runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", cpu_decode.HEAD_DIMS)
+def test_the_kernel_computes_attention(dtype: torch.dtype, d: int) -> None:
+    kernel = cpu_decode.load("on")
+    assert kernel is not None
+    for g in (1, 4, 8):
+        # Lengths around the 4-key blocks and 16-lane softmax chunks; the view leaves unused
+        # room after each sequence, as the decode mirror does.
+        lens = [1, 2, 3, 4, 5, 15, 16, 17, 63, 130]
+        q, kv, n = inputs(dtype, len(lens), 2, g, d, lens, cap=144, seed=g)
+        view = kv[:, :, :130]
+        got = kernel(q, view, n, d ** -0.5).double()
+        expect = reference(q, view, n, d ** -0.5)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, expect, atol=2e-6, rtol=2e-6)
+        else:  # no worse than torch's SDPA on the same bfloat16 inputs
+            k = view[0].view(len(lens), 130, 2, d).transpose(1, 2)
+            v = view[1].view(len(lens), 130, 2, d).transpose(1, 2)
+            mask = (torch.arange(130)[None, :] < n[:, None])[:, None, None, :]
+            sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d ** -0.5)
+            sdpa_err = (sdpa.double() - expect).abs().max().item()
+            assert (got - expect).abs().max().item() <= max(sdpa_err, 1 / 128)
+
+
+@runs_here
+def test_no_key_past_a_sequences_length_is_read() -> None:
+    """NaN after each sequence's keys changes nothing, bit for bit."""
+    kernel = cpu_decode.load("on")
+    assert kernel is not None
+    lens = [3, 7, 20]
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kv, n = inputs(dtype, 3, 2, 4, 64, lens, cap=24)
+        clean = kernel(q, kv, n, 0.125)
+        for i, m in enumerate(lens):
+            kv[:, i, m:] = float("nan")
+        assert torch.equal(kernel(q, kv, n, 0.125), clean)
+
+
+@runs_here
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda q, kv, n: (q.transpose(2, 3), kv, n), "q must be a contiguous [B, H, G, D] tensor"),
+    (lambda q, kv, n: (q.half(), kv.half(), n), "q must be float32 or bfloat16"),
+    (lambda q, kv, n: (q, kv.bfloat16(), n), "kv must have q's dtype"),
+    (lambda q, kv, n: (q, kv[:, :, :, :64], n),
+     "kv must be [2, B, L, H * D] with contiguous rows"),
+    (lambda q, kv, n: (q, kv, n.int()), "lens must be a contiguous int64 [B]"),
+    (lambda q, kv, n: (q, kv, n + 100), "every length must be in [1, kv.size(2)]"),
+    (lambda q, kv, n: (q, kv, n * 0), "every length must be in [1, kv.size(2)]"),
+])
+def test_bad_inputs_are_refused_by_name(change, message) -> None:  # type: ignore[no-untyped-def]
+    kernel = cpu_decode.load("on")
+    assert kernel is not None
+    q, kv, n = change(*inputs(torch.float32, 2, 2, 4, 64, [3, 5], cap=8))
+    with pytest.raises(RuntimeError) as err:
+        kernel(q, kv, n, 0.125)
+    assert message in str(err.value)
+
+
+def test_a_head_dim_it_was_not_built_for_is_named() -> None:
+    q, kv, n = inputs(torch.float32, 1, 1, 1, 48, [2], cap=2)
+    assert cpu_decode.serves(48, 4, 1, torch.float32) == \
+        "head_dim 48 (one of (32, 64, 96, 128, 256))"
+    assert cpu_decode.serves(64, 32, 2, torch.float32) == \
+        "32 query heads over 2 KV heads (at most 8 per KV head)"
+    assert cpu_decode.serves(64, 8, 2, torch.float16) == \
+        "dtype torch.float16 (float32 or bfloat16 only)"
+    assert cpu_decode.serves(64, 8, 2, torch.bfloat16) is None
+    with pytest.raises(ValueError) as err:
+        get_backend("torch", [torch.zeros(4, 2, 4, 1, 48)], num_qo_heads=4, native="on")
+    assert str(err.value) == ("native_attention 'on' cannot serve this model: head_dim 48 "
+                              "(one of (32, 64, 96, 128, 256))")
+    assert get_backend("torch", [torch.zeros(4, 2, 4, 1, 48)], num_qo_heads=4,
+                       native="auto").native is None  # type: ignore[attr-defined]
+    del q, kv, n
+
+
+def test_a_cpu_without_the_instructions_falls_back_or_fails_by_name(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(cpu_decode, "_built", None)
+    monkeypatch.setattr(cpu_decode, "cpu_flags", lambda: {"avx512f", "avx2"})
+    caplog.set_level(logging.INFO, logger=cpu_decode.__name__)
+    assert cpu_decode.load("auto") is None
+    assert [r.fields for r in caplog.records if hasattr(r, "fields")] == [  # type: ignore[attr-defined]
+        {"reason": "the CPU lacks avx512bw, avx512vl, avx512dq, avx512_bf16"}]
+    with pytest.raises(ValueError) as err:
+        cpu_decode.load("on")
+    assert str(err.value) == ("native_attention 'on': the native decode attention cannot run "
+                              "here: the CPU lacks avx512bw, avx512vl, avx512dq, avx512_bf16")
+    with pytest.raises(ValueError) as err:
+        make_engine(num_blocks=16, native_attention="on")
+    assert "the CPU lacks avx512bw" in str(err.value)
+    engine = make_engine(num_blocks=16)  # auto: SDPA, and it serves
+    assert engine.runner.backend.native is None  # type: ignore[attr-defined]
+    tokens, _, _ = run_all(engine, [[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(tokens[0]) == 3
+
+
+def test_a_failed_build_falls_back_and_names_the_error(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from torch.utils import cpp_extension
+
+    def no_compiler(**kwargs: object) -> None:
+        raise RuntimeError("Ninja is required to load C++ extensions\nmore detail")
+
+    monkeypatch.setattr(cpu_decode, "_built", None)
+    monkeypatch.setattr(cpu_decode, "cpu_flags", lambda: set(cpu_decode.CPU_FLAGS))
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    assert cpu_decode.load("auto") is None
+    with pytest.raises(ValueError) as err:
+        cpu_decode.load("on")
+    assert str(err.value) == ("native_attention 'on': the native decode attention cannot run "
+                              "here: the build failed: Ninja is required to load C++ extensions")
+
+
+def test_a_bad_mode_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError) as err:
+        EngineArgs(native_attention="fast")
+    assert str(err.value) == ("native_attention must be one of ('auto', 'on', 'off'), "
+                              "got 'fast'")
+    assert PrefillConfig.from_argv([], environ={}).engine_args().native_attention == "auto"
+    assert PrefillConfig.from_argv(["--native-attention", "off"], environ={}
+                                   ).engine_args().native_attention == "off"
+    with pytest.raises(SystemExit) as exit_:
+        PrefillConfig.from_argv(["--native-attention", "fast"], environ={})
+    assert exit_.value.code == 2
+    assert "--native-attention" in capsys.readouterr().err
+
+
+@runs_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_decode_steps_match_sdpa(dtype: torch.dtype) -> None:
+    """The same paged decode steps (ragged lengths, mirror on) through the kernel and SDPA."""
+    page, kvh, heads, hd = 4, 2, 8, 32
+    caches = [torch.randn(32, 2, page, kvh, hd).to(dtype) for _ in range(2)]
+    native = TorchBackend(caches, native=cpu_decode.load("on"))
+    plain = TorchBackend([c.clone() for c in caches])
+    lens, tables = [5, 9, 13], [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        slots = [t[n // page] * page + n % page for t, n in zip(tables, lens, strict=True)]
+        lens = [n + 1 for n in lens]
+        q = torch.randn(3, heads, hd, generator=g).to(dtype)
+        k, v = (torch.randn(3, kvh, hd, generator=g).to(dtype) for _ in range(2))
+        outs = []
+        for backend in (native, plain):
+            backend.prepare(AttentionMetadata(
+                qo_indptr=torch.arange(4, dtype=torch.int32), page_table=tables,
+                kv_lens=torch.tensor(lens, dtype=torch.int32),
+                slot_mapping=torch.tensor(slots), is_decode_only=True, seq_ids=["a", "b", "c"]))
+            outs.append(torch.stack([backend.forward(i, q, k, v) for i in range(2)]))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
+
+
+@runs_here
+def test_greedy_tokens_equal_with_and_without_the_kernel() -> None:
+    prompts = random_prompts([7, 19, 33, 50], seed=3)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    on = make_engine(num_blocks=64, native_attention="on")
+    off = make_engine(num_blocks=64, native_attention="off")
+    assert on.runner.backend.native is not None  # type: ignore[attr-defined]
+    assert off.runner.backend.native is None  # type: ignore[attr-defined]
+    assert run_all(on, prompts, params)[0] == run_all(off, prompts, params)[0]
+
+
+@runs_here
+def test_a_built_module_loads_without_the_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image removes the compiler after building: loading needs neither it nor ninja."""
+    from torch.utils import cpp_extension
+
+    assert cpu_decode.load("on") is not None  # built (make setup builds it ahead)
+    assert (cpu_decode.build_dir() / f"{cpu_decode.NAME}.so").is_file()
+
+    def no_compiler(**kwargs: object) -> None:
+        raise AssertionError("the built module is loaded, never rebuilt")
+
+    monkeypatch.setattr(cpu_decode, "_built", None)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    kernel = cpu_decode.load("on")
+    assert kernel is not None
+    q, kv, n = inputs(torch.float32, 1, 2, 4, 64, [5], cap=5)
+    torch.testing.assert_close(kernel(q, kv, n, 0.125).double(), reference(q, kv, n, 0.125),
+                               atol=2e-6, rtol=2e-6)
+
+
+def test_the_image_build_names_a_failure(monkeypatch: pytest.MonkeyPatch, tmp_path,  # type: ignore[no-untyped-def]
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs: object) -> None:
+        raise RuntimeError("Error building extension 'pdserve_cpu_decode_attention'")
+
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    assert cpu_decode.main(["--any-cpu"]) == 1
+    assert capsys.readouterr().out == ("native decode attention: the build failed: Error "
+                                       "building extension 'pdserve_cpu_decode_attention'\n")
