@@ -76,11 +76,12 @@ class EngineServiceConfig(GrpcServiceConfig):
         "most MiB the CPU decode mirror may hold (a dense copy of the running decode batch's "
         "K/V, so a step skips the paged gather); -1 = as much as the KV cache, at most 1024; "
         "0 = none")
-    native_attention: str = setting(
+    native_kernels: str = setting(
         "auto", choice_kind(*NATIVE_MODES),
-        "CPU decode attention: a C++ kernel (AVX-512 with BF16; built once with the machine's "
-        "C++ compiler, cached in $PDSERVE_KERNEL_CACHE); auto = where it can run, else torch's "
-        "SDPA; on = fail where it cannot; off = SDPA")
+        "pdserve's C++ CPU kernels (decode attention; RMSNorm and SiLU-and-mul in bfloat16): "
+        "need AVX-512 with BF16, built once with the machine's C++ compiler and cached in "
+        "$PDSERVE_KERNEL_CACHE; auto = where they can run, else torch's ops; on = fail where "
+        "they cannot; off = torch's ops")
     calibrate: bool = setting(
         False, BOOL, "measure this engine's prefill rate and decode steps at start (~1-3 s on "
         "a CPU core for a 50M model) and report them in Stats, for the P:D controller to start "
@@ -137,7 +138,7 @@ class EngineServiceConfig(GrpcServiceConfig):
                 cuda_graphs=self.cuda_graphs, packed_weights=self.packed_weights,
                 decode_mirror_memory_bytes=(None if self.decode_mirror_mib < 0
                                             else self.decode_mirror_mib << 20),
-                native_attention=self.native_attention)
+                native_kernels=self.native_kernels)
         except ValueError as exc:
             field, _, rest = str(exc).partition(" ")  # every message starts with its field
             raise ConfigError(f"--{field.replace('_', '-')} {rest}") from exc

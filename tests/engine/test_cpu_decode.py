@@ -114,7 +114,7 @@ def test_a_head_dim_it_was_not_built_for_is_named() -> None:
     assert cpu_decode.serves(64, 8, 2, torch.bfloat16) is None
     with pytest.raises(ValueError) as err:
         get_backend("torch", [torch.zeros(4, 2, 4, 1, 48)], num_qo_heads=4, native="on")
-    assert str(err.value) == ("native_attention 'on' cannot serve this model: head_dim 48 "
+    assert str(err.value) == ("native_kernels 'on' cannot serve this model: head_dim 48 "
                               "(one of (32, 64, 96, 128, 256))")
     assert get_backend("torch", [torch.zeros(4, 2, 4, 1, 48)], num_qo_heads=4,
                        native="auto").native is None  # type: ignore[attr-defined]
@@ -131,10 +131,10 @@ def test_a_cpu_without_the_instructions_falls_back_or_fails_by_name(
         {"reason": "the CPU lacks avx512bw, avx512vl, avx512dq, avx512_bf16"}]
     with pytest.raises(ValueError) as err:
         cpu_decode.load("on")
-    assert str(err.value) == ("native_attention 'on': the native decode attention cannot run "
-                              "here: the CPU lacks avx512bw, avx512vl, avx512dq, avx512_bf16")
+    assert str(err.value) == ("native_kernels 'on': the native CPU kernels cannot run here: "
+                              "the CPU lacks avx512bw, avx512vl, avx512dq, avx512_bf16")
     with pytest.raises(ValueError) as err:
-        make_engine(num_blocks=16, native_attention="on")
+        make_engine(num_blocks=16, native_kernels="on")
     assert "the CPU lacks avx512bw" in str(err.value)
     engine = make_engine(num_blocks=16)  # auto: SDPA, and it serves
     assert engine.runner.backend.native is None  # type: ignore[attr-defined]
@@ -156,22 +156,22 @@ def test_a_failed_build_falls_back_and_names_the_error(monkeypatch: pytest.Monke
     assert cpu_decode.load("auto") is None
     with pytest.raises(ValueError) as err:
         cpu_decode.load("on")
-    assert str(err.value) == ("native_attention 'on': the native decode attention cannot run "
-                              "here: the build failed: Ninja is required to load C++ extensions")
+    assert str(err.value) == ("native_kernels 'on': the native CPU kernels cannot run here: "
+                              "the build failed: Ninja is required to load C++ extensions")
 
 
 def test_a_bad_mode_is_named(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError) as err:
-        EngineArgs(native_attention="fast")
-    assert str(err.value) == ("native_attention must be one of ('auto', 'on', 'off'), "
+        EngineArgs(native_kernels="fast")
+    assert str(err.value) == ("native_kernels must be one of ('auto', 'on', 'off'), "
                               "got 'fast'")
-    assert PrefillConfig.from_argv([], environ={}).engine_args().native_attention == "auto"
-    assert PrefillConfig.from_argv(["--native-attention", "off"], environ={}
-                                   ).engine_args().native_attention == "off"
+    assert PrefillConfig.from_argv([], environ={}).engine_args().native_kernels == "auto"
+    assert PrefillConfig.from_argv(["--native-kernels", "off"], environ={}
+                                   ).engine_args().native_kernels == "off"
     with pytest.raises(SystemExit) as exit_:
-        PrefillConfig.from_argv(["--native-attention", "fast"], environ={})
+        PrefillConfig.from_argv(["--native-kernels", "fast"], environ={})
     assert exit_.value.code == 2
-    assert "--native-attention" in capsys.readouterr().err
+    assert "--native-kernels" in capsys.readouterr().err
 
 
 @runs_here
@@ -204,8 +204,8 @@ def test_backend_decode_steps_match_sdpa(dtype: torch.dtype) -> None:
 def test_greedy_tokens_equal_with_and_without_the_kernel() -> None:
     prompts = random_prompts([7, 19, 33, 50], seed=3)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    on = make_engine(num_blocks=64, native_attention="on")
-    off = make_engine(num_blocks=64, native_attention="off")
+    on = make_engine(num_blocks=64, native_kernels="on")
+    off = make_engine(num_blocks=64, native_kernels="off")
     assert on.runner.backend.native is not None  # type: ignore[attr-defined]
     assert off.runner.backend.native is None  # type: ignore[attr-defined]
     assert run_all(on, prompts, params)[0] == run_all(off, prompts, params)[0]
@@ -243,3 +243,59 @@ def test_the_image_build_names_a_failure(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert cpu_decode.main(["--any-cpu"]) == 1
     assert capsys.readouterr().out == ("native decode attention: the build failed: Error "
                                        "building extension 'pdserve_cpu_decode_attention'\n")
+
+
+@runs_here
+def test_the_bf16_elementwise_kernels_round_like_the_torch_ones() -> None:
+    """RMSNorm with the residual add and SiLU-and-mul: each element within one bfloat16 step
+    of the torch versions (which round like Hugging Face's), nearly all bit for bit; the
+    residual sum exactly."""
+    from pdserve.models.kernels import TORCH_KERNELS, CpuKernels
+
+    native = CpuKernels(cpu_decode.module("on"))
+    g = torch.Generator().manual_seed(5)
+    for rows, width in ((1, 64), (7, 512), (32, 576)):
+        x = (torch.randn(rows, width, generator=g) * 3).bfloat16()
+        r = torch.randn(rows, width, generator=g).bfloat16()
+        w = (torch.rand(width, generator=g) + 0.5).bfloat16()
+        (got, total), (expect, expect_total) = (native.add_rms_norm(x, r, w, 1e-5),
+                                                TORCH_KERNELS.add_rms_norm(x, r, w, 1e-5))
+        assert torch.equal(total, expect_total)
+        pairs = [(got, expect), (native.rms_norm(x, w, 1e-6), TORCH_KERNELS.rms_norm(x, w, 1e-6)),
+                 (native.silu_and_mul(torch.cat([x * 2, r], 1)),
+                  TORCH_KERNELS.silu_and_mul(torch.cat([x * 2, r], 1)))]
+        for a, b in pairs:
+            assert a.dtype == torch.bfloat16 and a.shape == b.shape
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-6)
+            assert (a == b).float().mean().item() >= 0.99
+
+
+@runs_here
+def test_float32_and_other_shapes_keep_the_torch_kernels() -> None:
+    from pdserve.models.kernels import TORCH_KERNELS, CpuKernels
+
+    native = CpuKernels(cpu_decode.module("on"))
+    x = torch.randn(3, 4, 32)  # per-head norms (q/k norm) are 3-D; float32 stays torch
+    w = torch.rand(32)
+    assert torch.equal(native.rms_norm(x, w, 1e-6), TORCH_KERNELS.rms_norm(x, w, 1e-6))
+    xb = torch.randn(3, 40).bfloat16()  # a width the kernel does not take
+    assert torch.equal(native.rms_norm(xb, torch.ones(40).bfloat16(), 1e-6),
+                       TORCH_KERNELS.rms_norm(xb, torch.ones(40).bfloat16(), 1e-6))
+
+
+def test_kernels_follow_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.models import kernels
+    from pdserve.models.rope import RopeConfig, Rotary
+
+    rotary, cpu = Rotary(RopeConfig(), 64), torch.device("cpu")
+    assert kernels.kernels_for(rotary, 64, cpu, torch.bfloat16, "off") is kernels.TORCH_KERNELS
+    assert kernels.kernels_for(rotary, 64, cpu, torch.float32, "on") is kernels.TORCH_KERNELS
+    if not cpu_decode.missing_cpu_flags():
+        assert kernels.kernels_for(rotary, 64, cpu, torch.bfloat16, "auto").name == "cpu-native"
+    monkeypatch.setattr(cpu_decode, "_built", None)
+    monkeypatch.setattr(cpu_decode, "cpu_flags", lambda: set())
+    assert kernels.kernels_for(rotary, 64, cpu, torch.bfloat16, "auto") is kernels.TORCH_KERNELS
+    with pytest.raises(ValueError) as err:
+        kernels.kernels_for(rotary, 64, cpu, torch.bfloat16, "on")
+    assert str(err.value).startswith("native_kernels 'on': the native CPU kernels cannot run "
+                                     "here: the CPU lacks avx512f")

@@ -94,7 +94,7 @@ def native_decode(mode: str, kv_cache: torch.Tensor, num_qo_heads: int | None,
     from pdserve.attention import cpu_decode
 
     if mode not in cpu_decode.MODES:
-        raise ValueError(f"native_attention must be one of {cpu_decode.MODES}, got {mode!r}")
+        raise ValueError(f"native_kernels must be one of {cpu_decode.MODES}, got {mode!r}")
     if mode == "off":
         return None
     _, _, _, num_kv_heads, head_dim = kv_cache.shape
@@ -103,7 +103,7 @@ def native_decode(mode: str, kv_cache: torch.Tensor, num_qo_heads: int | None,
                                 q_dtype or kv_cache.dtype))
     if reason is not None:
         if mode == "on":
-            raise ValueError(f"native_attention 'on' cannot serve this model: {reason}")
+            raise ValueError(f"native_kernels 'on' cannot serve this model: {reason}")
         log.info("decode attention: torch SDPA, not the native kernel",
                  extra={"fields": {"reason": reason}})
         return None

@@ -20,8 +20,11 @@ pdserve.attention import cpu_decode; cpu_decode.main()"``. The flags name the in
 sets, not ``-march=native``, so a module built on one machine runs on any CPU that has them
 (checked at load).
 
-``mode``: "auto" uses it where the CPU has AVX-512 (F, BW, VL, DQ) with BF16 and the build
-works, otherwise SDPA (one log line says why); "on" raises instead; "off" never builds it.
+``mode`` (``EngineArgs.native_kernels``, ``--native-kernels``): "auto" uses it where the CPU
+has AVX-512 (F, BW, VL, DQ) with BF16 and the build works, otherwise SDPA (one log line says
+why); "on" raises instead; "off" never builds it. The same module carries bfloat16 RMSNorm
+(with the residual add) and SiLU-and-mul (``csrc/cpu_elementwise.cpp``), which
+``models/kernels.py`` uses under the same mode.
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 MODES = ("auto", "on", "off")
 NAME = "pdserve_cpu_decode_attention"
 SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.cpp"
+# The same module carries bfloat16 RMSNorm and SiLU-and-mul (models/kernels.py, CpuKernels).
+SOURCES = (SOURCE, SOURCE.with_name("cpu_elementwise.cpp"))
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
           "-mavx512bf16", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
@@ -50,7 +56,7 @@ log = logging.getLogger(__name__)
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 _lock = threading.Lock()
-_built: tuple[DecodeKernel | None, str] | None = None
+_built: tuple[Any, str] | None = None  # (the module or None, why not)
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
@@ -73,19 +79,19 @@ def missing_cpu_flags(flags: set[str] | None = None) -> list[str]:
 def build_dir() -> Path:
     root = Path(os.environ.get("PDSERVE_KERNEL_CACHE")
                 or Path.home() / ".cache" / "pdserve" / "kernels")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     return root / f"cpu_decode_attention-{key}"
 
 
-def _build() -> tuple[DecodeKernel | None, str]:
+def _build() -> tuple[Any, str]:
     missing = missing_cpu_flags()
     if missing:
         return None, f"the CPU lacks {', '.join(missing)}"
     return build()
 
 
-def build() -> tuple[DecodeKernel | None, str]:
+def build() -> tuple[Any, str]:
     """Load the module built for this source, building it first where it is not (whatever
     this CPU runs: an image may be built on another machine); (kernel, "") or (None, why)."""
     path = build_dir()
@@ -100,20 +106,28 @@ def build() -> tuple[DecodeKernel | None, str]:
             from torch.utils import cpp_extension
 
             path.mkdir(parents=True, exist_ok=True)
-            module = cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS,
+            module = cpp_extension.load(name=NAME, sources=[str(p) for p in SOURCES],
+                                        extra_cflags=CFLAGS,
                                         build_directory=str(path), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: SDPA serves instead
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return None, f"the build failed: {first[:300]}"
-    return module.decode_attention, ""
+    return module, ""
 
 
 def load(mode: str = "auto") -> DecodeKernel | None:
     """The kernel (built on first use, once per process), or None under "off" or, under
     "auto", where it cannot run here; "on" raises ValueError naming why it cannot."""
+    built = module(mode)
+    return None if built is None else built.decode_attention  # type: ignore[no-any-return]
+
+
+def module(mode: str = "auto") -> Any:
+    """The built module (``decode_attention``, ``rms_norm_bf16``, ``add_rms_norm_bf16``,
+    ``silu_and_mul_bf16``), on ``load``'s terms."""
     global _built
     if mode not in MODES:
-        raise ValueError(f"native_attention must be one of {MODES}, got {mode!r}")
+        raise ValueError(f"native_kernels must be one of {MODES}, got {mode!r}")
     if mode == "off":
         return None
     with _lock:
@@ -121,12 +135,12 @@ def load(mode: str = "auto") -> DecodeKernel | None:
             _built = _build()
             kernel, reason = _built
             if kernel is None:
-                log.info("decode attention: torch SDPA, not the native kernel",
+                log.info("native CPU kernels: not used (torch's SDPA and elementwise ops)",
                          extra={"fields": {"reason": reason}})
     kernel, reason = _built
     if kernel is None and mode == "on":
-        raise ValueError(f"native_attention 'on': the native decode attention cannot run "
-                         f"here: {reason}")
+        raise ValueError(f"native_kernels 'on': the native CPU kernels cannot run here: "
+                         f"{reason}")
     return kernel
 
 

@@ -53,9 +53,10 @@ class EngineArgs:
     plain weights. decode_mirror_memory_bytes: the most the torch backend's decode mirror (a
     dense copy of a running decode batch's K/V, attention/decode_mirror.py; CPU only) may
     hold; None = as much as the KV cache itself (so K/V memory is at most twice the cache),
-    at most 1 GiB; 0 = no mirror. native_attention: the CPU decode attention kernel
-    (attention/cpu_decode.py, built at first use): "auto" where the CPU and a C++ compiler
-    allow, else torch's SDPA; "on" fails instead; "off" is SDPA."""
+    at most 1 GiB; 0 = no mirror. native_kernels: pdserve's C++ CPU kernels
+    (attention/cpu_decode.py, built at first use): the decode attention, and in bfloat16 the
+    RMSNorm and SiLU-and-mul; "auto" where the CPU and a C++ compiler allow, else torch's ops;
+    "on" fails instead; "off" is torch's ops."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -72,7 +73,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     packed_weights: bool = True
     decode_mirror_memory_bytes: int | None = None
-    native_attention: str = "auto"
+    native_kernels: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -101,9 +102,9 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")
-        if self.native_attention not in NATIVE_MODES:
-            raise ValueError(f"native_attention must be one of {NATIVE_MODES}, "
-                             f"got {self.native_attention!r}")
+        if self.native_kernels not in NATIVE_MODES:
+            raise ValueError(f"native_kernels must be one of {NATIVE_MODES}, "
+                             f"got {self.native_kernels!r}")
         if not isinstance(self.packed_weights, bool):
             raise ValueError(f"packed_weights must be a bool, got {self.packed_weights!r}")
         check_device(self.device)

@@ -76,7 +76,7 @@ def prepare_weights(source: str, engine: Engine) -> LoadedModel:
     except (OSError, ValueError, KeyError) as exc:  # missing files, bad config, wrong tensors
         raise BadRequest(f"model: cannot load {source!r}: {exc}") from exc
     check_same_architecture(engine.config, lm.config, source)
-    lm.model.select_kernels(engine.max_model_len)
+    lm.model.select_kernels(engine.max_model_len, engine.args.native_kernels)
     return lm
 
 

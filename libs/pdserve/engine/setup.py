@@ -49,7 +49,7 @@ class EngineParts:
 def build_parts(lm: LoadedModel, args: EngineArgs, max_model_len: int) -> EngineParts:
     cfg = lm.config
     device = check_device(args.device)
-    kernels = lm.model.select_kernels(max_model_len)
+    kernels = lm.model.select_kernels(max_model_len, args.native_kernels)
     quant = kv_quant(args.kv_cache_dtype)
     per_block = PagedKVCache.bytes_per_block(cfg.num_layers, args.block_size, cfg.num_kv_heads,
                                              cfg.head_dim, cfg.dtype, quant)
@@ -73,7 +73,7 @@ def build_parts(lm: LoadedModel, args: EngineArgs, max_model_len: int) -> Engine
                          cfg.num_kv_heads, cfg.head_dim, cfg.dtype, device, quant)
     backend = get_backend(args.attention_backend, cache.layers, cfg.num_heads,
                           kv_scales=cache.layer_scales, q_dtype=cfg.dtype,
-                          mirror_bytes=mirror_bytes, native=args.native_attention)
+                          mirror_bytes=mirror_bytes, native=args.native_kernels)
     if isinstance(backend, TorchBackend):
         log.info("KV memory", extra={"fields": {
             "num_blocks": num_blocks, "cache_mib": round(num_blocks * per_block / 2**20, 1),

@@ -29,9 +29,10 @@ class CausalLM(nn.Module, ABC):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] -> float32 logits [N, vocab_size]."""
 
-    def select_kernels(self, max_positions: int) -> str:
+    def select_kernels(self, max_positions: int, native: str = "off") -> str:
         """Pick the elementwise kernels for the model's device and dtype (positions up to
-        ``max_positions``); returns their name. The default: plain torch."""
+        ``max_positions``; ``native``: pdserve's C++ CPU kernels, "auto" | "on" | "off");
+        returns their name. The default: plain torch."""
         return "torch"
 
     @abstractmethod

@@ -73,9 +73,9 @@ class DecoderLM(CausalLM, UsesKernels):
             h, residual = layer(h, residual, rope, attn)
         return self.norm(h) if residual is None else self.norm.add_forward(h, residual)[0]
 
-    def select_kernels(self, max_positions: int) -> str:
+    def select_kernels(self, max_positions: int, native: str = "off") -> str:
         weight = self.embed_tokens
-        kernels = kernels_for(self.rotary, max_positions, weight.device, weight.dtype)
+        kernels = kernels_for(self.rotary, max_positions, weight.device, weight.dtype, native)
         self.use_kernels(kernels)
         return kernels.name
 

@@ -1,5 +1,6 @@
 """The elementwise kernels of a decoder layer: plain torch everywhere, FlashInfer's fused ones
-on CUDA in half precision.
+on CUDA in half precision, pdserve's C++ ones (``CpuKernels``) on an AVX-512-BF16 CPU in
+bfloat16.
 
     norm      rms_norm(x)                      add_rms_norm(x, residual) -> (norm(x + r), x + r)
     mlp       silu_and_mul([gate | up])        -> silu(gate) * up
@@ -110,6 +111,40 @@ class FlashInferKernels(Kernels):
         return q, k
 
 
+class CpuKernels(Kernels):
+    """pdserve's C++ bfloat16 RMSNorm (with the residual add) and SiLU-and-mul on the CPU
+    (``attention/csrc/cpu_elementwise.cpp``): one pass each instead of torch's 5-7 ops, the
+    same roundings as the torch versions; float32 and other shapes go to those."""
+
+    name = "cpu-native"
+
+    def __init__(self, module: Any) -> None:
+        self._ops = module
+
+    @staticmethod
+    def _fits(x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[-1] % 16 == 0
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._fits(x) and weight.dtype == torch.bfloat16:
+            return self._ops.rms_norm_bf16(x.contiguous(), weight, eps)  # type: ignore[no-any-return]
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fits(x) and residual.shape == x.shape and residual.dtype == x.dtype \
+                and weight.dtype == torch.bfloat16:
+            out, total = self._ops.add_rms_norm_bf16(x.contiguous(), residual.contiguous(),
+                                                     weight, eps)
+            return out, total
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fits(x) and x.shape[-1] % 32 == 0:
+            return self._ops.silu_and_mul_bf16(x.contiguous())  # type: ignore[no-any-return]
+        return super().silu_and_mul(x)
+
+
 TORCH_KERNELS = Kernels()
 
 
@@ -144,8 +179,16 @@ def self_test(kernels: Kernels, rotary: Rotary, device: torch.device,
 
 
 def kernels_for(rotary: Rotary, max_positions: int, device: torch.device,
-                dtype: torch.dtype) -> Kernels:
-    """FlashInfer's kernels where they run and pass ``self_test``; else torch's, saying why."""
+                dtype: torch.dtype, native: str = "off") -> Kernels:
+    """FlashInfer's kernels where they run and pass ``self_test``; on the CPU in bfloat16,
+    pdserve's C++ ones under ``native`` ("auto" | "on" | "off", ``attention/cpu_decode.py``);
+    else torch's, saying why."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and native != "off":
+        from pdserve.attention import cpu_decode
+
+        module = cpu_decode.module(native)  # "on" raises where it cannot run
+        if module is not None:
+            return CpuKernels(module)
     reason = flashinfer_kernels_reason(device, dtype)
     if reason is None:
         try:

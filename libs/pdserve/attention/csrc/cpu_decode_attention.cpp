@@ -232,6 +232,17 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& kv,
   return out;
 }
 
+// cpu_elementwise.cpp
+torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_bf16(const torch::Tensor& x,
+                                                           const torch::Tensor& residual,
+                                                           const torch::Tensor& weight,
+                                                           double eps);
+torch::Tensor silu_and_mul_bf16(const torch::Tensor& x);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over per-sequence K/V rows");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "bfloat16 RMSNorm, Hugging Face's rounding");
+  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "(rms_norm(x + residual), x + residual)");
+  m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up of [gate | up]");
 }
