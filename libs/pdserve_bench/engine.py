@@ -62,6 +62,10 @@ class Result:
     model: str = "bench-50m"
     prompt_len: int = 0
     threads: int = 0
+    # What pdserve's side ran (--native-kernels): "native" (attention/cpu_decode.py) or
+    # "sdpa" for decode attention; the elementwise kernels' name (models/kernels.py).
+    decode_attention: str = ""
+    elementwise: str = ""
 
 
 def _prompts(num_seqs: int, prompt_len: int, vocab: int) -> list[list[int]]:
@@ -121,7 +125,7 @@ def run_hf(model: Any, prompts: list[list[int]], new_tokens: int
 
 def bench(concurrencies: list[int], prompt_len: int, new_tokens: int,
           repeats: int = 1, dtype: str = "float32", packed: bool = True,
-          model: str = "bench-50m") -> list[Result]:
+          model: str = "bench-50m", native: str = "auto") -> list[Result]:
     """Each side runs ``repeats`` times per concurrency, alternating; the best run counts
     (shared machines are noisy; the best run is the least disturbed one). ``model``: a
     built-in name (saved as a Hugging Face directory first) or a Hugging Face directory."""
@@ -138,15 +142,18 @@ def bench(concurrencies: list[int], prompt_len: int, new_tokens: int,
         engine = Engine.from_model(path, EngineArgs(
             dtype=dtype, max_num_seqs=max_seqs,
             num_blocks=max_seqs * (-(-context // 16) + 4) + 16,
-            max_num_batched_tokens=max(2048, prompt_len * 8), packed_weights=packed))
+            max_num_batched_tokens=max(2048, prompt_len * 8), packed_weights=packed,
+            native_kernels=native))
     vocab = engine.config.vocab_size
     warm = _prompts(2, 16, vocab)
     run_pdserve(engine, warm, 4)
     run_hf(hf, warm, 4)
     weight_mb = weight_bytes(engine.runner.model) / 2**20
+    attention = "native" if getattr(engine.runner.backend, "native", None) else "sdpa"
     return [replace(_one_concurrency(engine, hf, n, prompt_len, new_tokens, repeats, dtype),
                     packed_weights=packed, weight_mb=round(weight_mb, 1), model=model,
-                    prompt_len=prompt_len, threads=torch.get_num_threads())
+                    prompt_len=prompt_len, threads=torch.get_num_threads(),
+                    decode_attention=attention, elementwise=engine.kernels)
             for n in concurrencies]
 
 
@@ -209,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--packed-weights", choices=["on", "off"], default="on",
                         help="pdserve's pre-packed CPU GEMM weights (models/packed.py)")
+    parser.add_argument("--native-kernels", choices=["auto", "on", "off"], default="auto",
+                        help="pdserve's C++ CPU kernels: decode attention, and RMSNorm and "
+                             "SiLU-and-mul in bfloat16 (attention/cpu_decode.py)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -223,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"({', '.join(BUILTIN_MODELS)})")
     results = [r for dtype in args.dtype
                for r in bench(args.concurrency, args.prompt_len, new_tokens, args.repeats, dtype,
-                              args.packed_weights == "on", args.model)]
+                              args.packed_weights == "on", args.model, args.native_kernels)]
     hardware["load_average_after"] = round(os.getloadavg()[0], 2)
     if args.json:
         for r in results:
@@ -231,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{args.model}, {torch.get_num_threads()} threads, prompt {args.prompt_len} tokens, "
               f"{new_tokens} new tokens, best of {args.repeats}, packed weights "
-              f"{args.packed_weights}, weights MB {({r.dtype: r.weight_mb for r in results})}")
+              f"{args.packed_weights}, weights MB {({r.dtype: r.weight_mb for r in results})}, "
+              f"decode attention {({r.dtype: r.decode_attention for r in results})}, "
+              f"elementwise {({r.dtype: r.elementwise for r in results})}")
         print("hardware: " + ", ".join(f"{k}={v}" for k, v in hardware.items()))
         print(format_table(results))
     return 0

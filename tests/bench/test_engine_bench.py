@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.attention import cpu_decode
 from pdserve.cli import BENCHMARKS
 from pdserve.controller.capacity import starting_model
 from pdserve.models import load_model, save_builtin
@@ -49,6 +50,9 @@ def test_it_is_a_pdserve_bench_command(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         main(["--packed-weights", "maybe"])
     assert "--packed-weights: invalid choice: 'maybe'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--native-kernels", "fast"])
+    assert "--native-kernels: invalid choice: 'fast'" in capsys.readouterr().err
 
 
 def test_an_unknown_model_is_named(capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,3 +80,7 @@ def test_its_json_is_a_controller_calibration(capsys: pytest.CaptureFixture[str]
     assert [t for _, t in model.decode_points] == pytest.approx(
         [r["num_seqs"] / r["pdserve_decode_tps"] for r in rows])
     assert model.prefill_tokens_per_s > 0
+    # What ran is in every row: the native decode attention where this CPU runs it (tiny:
+    # head_dim 32), float32's elementwise kernels are torch's.
+    expect = "sdpa" if cpu_decode.missing_cpu_flags() else "native"
+    assert {(r["decode_attention"], r["elementwise"]) for r in rows} == {(expect, "torch")}
