@@ -2,12 +2,12 @@
 
 Why not torch's SDPA: in a decode step each sequence has one new query token, and with grouped
 KV heads the 4-8 query heads of a KV head are its queries; SDPA's flash kernel (built for
-blocks of many queries) then costs ~60-70 ns per (sequence, KV head, key) in bfloat16 on an
-AMX Xeon, 0.36-0.7 ms per layer at 32 sequences of ~160 tokens — a quarter of a decode step.
+blocks of many queries) then costs ~40-70 ns per (sequence, KV head, key) in bfloat16 on an
+AMX Xeon, 0.38-0.65 ms per layer at 32 sequences of ~160 tokens: 15-25% of a decode step.
 The kernel scores 4 keys at a time for every query head of a KV head (``vdpbf16ps`` in
 bfloat16), reads each sequence's own length (no mask), and runs the softmax in float32:
-1.8-2.1x faster than SDPA on the same K/V at ~160 keys, 1.3-1.6x at 1024
-(docs/benchmarks.md, "native decode attention"). No library on PyPI ships such a kernel for
+alone, 2.2x faster than SDPA on the same K/V at 158 keys in bfloat16 and 1.8x at 1024
+(float32 1.6x and 1.4x; docs/benchmarks.md, "Native CPU kernels"). No library on PyPI ships such a kernel for
 torch 2.13 on CPU (Intel's extension for PyTorch, whose paged attention did, ended with torch
 2.8), so it is ours.
 

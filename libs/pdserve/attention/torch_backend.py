@@ -16,7 +16,9 @@ one SDPA, with no Python loop over sequences or tokens. In the decode group (one
 sequence) the query heads sharing a KV head are passed as that head's queries,
 ``[B, kv_heads, heads / kv_heads, D]``, so SDPA reads the gathered K/V once instead of a copy
 per query head (``enable_gqa``); docs/benchmarks.md has the numbers and the gather-free
-variants that measured slower. A decode batch that continues the last step's (the caller
+variants that measured slower. Where the native CPU kernel runs (``cpu_decode.py``), a decode
+group goes to it instead of SDPA, with each sequence's own length (no mask). A decode batch
+that continues the last step's (the caller
 passes request ids) attends over a dense copy of its K/V instead of gathering
 (``decode_mirror.py``): one new row per sequence per layer is written to it.
 
