@@ -7,9 +7,9 @@ AMX Xeon, 0.38-0.65 ms per layer at 32 sequences of ~160 tokens: 15-25% of a dec
 The kernel scores 4 keys at a time for every query head of a KV head (``vdpbf16ps`` in
 bfloat16), reads each sequence's own length (no mask), and runs the softmax in float32:
 alone, 2.2x faster than SDPA on the same K/V at 158 keys in bfloat16 and 1.8x at 1024
-(float32 1.6x and 1.4x; docs/benchmarks.md, "Native CPU kernels"). No library on PyPI ships such a kernel for
-torch 2.13 on CPU (Intel's extension for PyTorch, whose paged attention did, ended with torch
-2.8), so it is ours.
+(float32 1.6x and 1.4x; docs/benchmarks.md, "Native CPU kernels"). No library on PyPI ships
+such a kernel for torch 2.13 on CPU (Intel's extension for PyTorch, whose paged attention did,
+ended with torch 2.8), so it is ours.
 
 Built with ``torch.utils.cpp_extension.load`` (the machine's C++ compiler and ninja) into
 ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), in a directory named by a
@@ -94,9 +94,9 @@ def _build() -> tuple[Any, str]:
 def build() -> tuple[Any, str]:
     """Load the module built for this source, building it first where it is not (whatever
     this CPU runs: an image may be built on another machine); (kernel, "") or (None, why)."""
-    path = build_dir()
-    built = path / f"{NAME}.so"
     try:
+        path = build_dir()  # reads the sources; a home directory may be missing
+        built = path / f"{NAME}.so"
         if built.is_file():  # built before (or into an image): no compiler needed to load it
             spec = importlib.util.spec_from_file_location(NAME, built)
             assert spec is not None and spec.loader is not None
