@@ -222,6 +222,7 @@ LOG_LEVEL_VAR = "PDSERVE_LOG_LEVEL"
 OTEL_ENDPOINT_VAR = "PDSERVE_OTEL_ENDPOINT"  # OTLP/gRPC collector; unset = traces stay local
 PROFILE_DIR_VAR = "PDSERVE_PROFILE_DIR"  # write a cProfile file per process here on exit
 UP_VERBOSE_VAR = "PDSERVE_UP_VERBOSE"  # pdserve up: pass every service's log lines through
+KERNEL_CACHE_VAR = "PDSERVE_KERNEL_CACHE"  # where the native CPU kernels are built and found
 REDIS_URL_VAR = "REDIS_URL"  # the services' --redis-url; pdserve up uses it instead of its own
 # Credentials (pdserve.auth), each also from a file named by <name>_FILE; never flags.
 SECRET_VAR = "PDSERVE_SECRET"  # the data planes: router <-> engines <-> kvds
@@ -236,6 +237,7 @@ COMMON_VARS: dict[str, Kind] = {
     OTEL_ENDPOINT_VAR: STR,
     PROFILE_DIR_VAR: STR,
     UP_VERBOSE_VAR: BOOL,
+    KERNEL_CACHE_VAR: STR,
     **{name: STR for var in SECRET_VARS for name in (var, f"{var}_FILE")},
 }
 
@@ -317,6 +319,11 @@ def otel_endpoint() -> str:
 
 def profile_dir() -> str:
     return common(PROFILE_DIR_VAR, "")
+
+
+def kernel_cache() -> str:
+    """The directory for the native CPU kernels ("" = ``~/.cache/pdserve/kernels``)."""
+    return common(KERNEL_CACHE_VAR, "")
 
 
 def secret(var: str, environ: Mapping[str, str] | None = None) -> str:

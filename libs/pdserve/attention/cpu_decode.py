@@ -32,13 +32,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pdserve import env
 
 MODES = ("auto", "on", "off")
 NAME = "pdserve_cpu_decode_attention"
@@ -77,8 +78,7 @@ def missing_cpu_flags(flags: set[str] | None = None) -> list[str]:
 
 
 def build_dir() -> Path:
-    root = Path(os.environ.get("PDSERVE_KERNEL_CACHE")
-                or Path.home() / ".cache" / "pdserve" / "kernels")
+    root = Path(env.kernel_cache() or Path.home() / ".cache" / "pdserve" / "kernels")
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     return root / f"cpu_decode_attention-{key}"
