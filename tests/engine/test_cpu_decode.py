@@ -231,6 +231,46 @@ def test_a_built_module_loads_without_the_compiler(monkeypatch: pytest.MonkeyPat
                                atol=2e-6, rtol=2e-6)
 
 
+def _cut_short() -> bytes:
+    """The first 16 KiB of the module this machine built: dlopen accepts its headers, and
+    loading it would then die of SIGBUS."""
+    if cpu_decode.load("auto") is None:
+        pytest.skip("no built module here to cut short (the CPU lacks the instructions)")
+    return (cpu_decode.build_dir() / f"{cpu_decode.NAME}.so").read_bytes()[:16384]
+
+
+@pytest.mark.parametrize("content", [lambda: b"not a shared object", _cut_short],
+                         ids=["not-elf", "cut-short"])
+def test_a_module_that_does_not_load_is_built_again(
+        monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture,  # type: ignore[no-untyped-def]
+        content) -> None:
+    """A cached module cut short (a build killed while linking) or not a module at all is
+    removed and built again, with a warning naming it, instead of leaving every later engine
+    on SDPA, or crashing the engine that loads it."""
+    from torch.utils import cpp_extension
+
+    data = content()
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    built = cpu_decode.build_dir() / f"{cpu_decode.NAME}.so"
+    built.parent.mkdir(parents=True)
+    built.write_bytes(data)
+    assert not cpu_decode.whole_elf(built)
+    builds: list[object] = []
+
+    def rebuild(**kwargs: object) -> str:
+        assert not built.exists(), "the broken module is removed before the build"
+        builds.append(kwargs["build_directory"])
+        return "rebuilt"
+
+    monkeypatch.setattr(cpp_extension, "load", rebuild)
+    with caplog.at_level(logging.WARNING, logger=cpu_decode.__name__):
+        assert cpu_decode.build() == ("rebuilt", "")
+    assert builds == [str(built.parent)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "native CPU kernels: the built module does not load; building it again"]
+    assert caplog.records[0].fields["path"] == str(built)  # type: ignore[attr-defined]
+
+
 def test_the_image_build_names_a_failure(monkeypatch: pytest.MonkeyPatch, tmp_path,  # type: ignore[no-untyped-def]
                                          capsys: pytest.CaptureFixture[str]) -> None:
     from torch.utils import cpp_extension

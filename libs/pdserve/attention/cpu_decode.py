@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -97,12 +98,8 @@ def build() -> tuple[Any, str]:
     try:
         path = build_dir()  # reads the sources; a home directory may be missing
         built = path / f"{NAME}.so"
-        if built.is_file():  # built before (or into an image): no compiler needed to load it
-            spec = importlib.util.spec_from_file_location(NAME, built)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
+        module = _load_built(built) if built.is_file() else None
+        if module is None:
             from torch.utils import cpp_extension
 
             path.mkdir(parents=True, exist_ok=True)
@@ -113,6 +110,48 @@ def build() -> tuple[Any, str]:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return None, f"the build failed: {first[:300]}"
     return module, ""
+
+
+def whole_elf(path: Path) -> bool:
+    """Whether ``path`` holds every byte its 64-bit ELF headers point at. A shared object cut
+    short (a build killed while linking) passes ``dlopen``'s checks and then kills the
+    process with SIGBUS when a page past the end is touched, so it is looked at first. (A
+    dependency such as pyelftools for these three reads did not seem worth it.)"""
+    try:
+        data = path.read_bytes()
+        if data[:5] != b"\x7fELF\x02":
+            return False
+        phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+        if phoff + phnum * phentsize > len(data) or shoff + shnum * shentsize > len(data):
+            return False
+        for i in range(phnum):  # every segment's bytes in the file (p_offset, p_filesz)
+            offset, = struct.unpack_from("<Q", data, phoff + i * phentsize + 8)
+            filesz, = struct.unpack_from("<Q", data, phoff + i * phentsize + 32)
+            if offset + filesz > len(data):
+                return False
+        return True
+    except (OSError, struct.error):
+        return False
+
+
+def _load_built(built: Path) -> Any:
+    """The module built before (or into an image): no compiler is needed to load it. One that
+    is cut short or does not load (a build killed while linking, a disk error) is removed, so
+    that it is built again rather than leaving every later engine on SDPA; None then."""
+    try:
+        if not whole_elf(built):
+            raise ImportError("the file is cut short or not a 64-bit ELF shared object")
+        spec = importlib.util.spec_from_file_location(NAME, built)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except ImportError as exc:
+        log.warning("native CPU kernels: the built module does not load; building it again",
+                    extra={"fields": {"path": str(built), "error": str(exc)[:300]}})
+        built.unlink(missing_ok=True)
+        return None
 
 
 def load(mode: str = "auto") -> DecodeKernel | None:
