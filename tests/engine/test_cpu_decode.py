@@ -271,6 +271,23 @@ def test_a_module_that_does_not_load_is_built_again(
     assert caplog.records[0].fields["path"] == str(built)  # type: ignore[attr-defined]
 
 
+def test_a_kernel_cache_that_cannot_be_a_directory_is_named(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """$PDSERVE_KERNEL_CACHE naming a file (an operator's typo): SDPA serves under "auto";
+    "on" fails naming the path."""
+    taken = tmp_path / "not-a-directory"
+    taken.write_text("")
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(taken))
+    monkeypatch.setattr(cpu_decode, "_built", None)
+    monkeypatch.setattr(cpu_decode, "cpu_flags", lambda: set(cpu_decode.CPU_FLAGS))
+    assert cpu_decode.load("auto") is None
+    with pytest.raises(ValueError) as err:
+        cpu_decode.load("on")
+    assert str(err.value) == (
+        "native_kernels 'on': the native CPU kernels cannot run here: the build failed: "
+        f"[Errno 20] Not a directory: '{cpu_decode.build_dir()}'")
+
+
 def test_the_image_build_names_a_failure(monkeypatch: pytest.MonkeyPatch, tmp_path,  # type: ignore[no-untyped-def]
                                          capsys: pytest.CaptureFixture[str]) -> None:
     from torch.utils import cpp_extension
