@@ -125,12 +125,9 @@ def whole_elf(path: Path) -> bool:
         phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
         if phoff + phnum * phentsize > len(data) or shoff + shnum * shentsize > len(data):
             return False
-        for i in range(phnum):  # every segment's bytes in the file (p_offset, p_filesz)
-            offset, = struct.unpack_from("<Q", data, phoff + i * phentsize + 8)
-            filesz, = struct.unpack_from("<Q", data, phoff + i * phentsize + 32)
-            if offset + filesz > len(data):
-                return False
-        return True
+        segments = (struct.unpack_from("<8xQ16xQ", data, phoff + i * phentsize)
+                    for i in range(phnum))  # each program header's p_offset and p_filesz
+        return all(offset + filesz <= len(data) for offset, filesz in segments)
     except (OSError, struct.error):
         return False
 
@@ -139,19 +136,20 @@ def _load_built(built: Path) -> Any:
     """The module built before (or into an image): no compiler is needed to load it. One that
     is cut short or does not load (a build killed while linking, a disk error) is removed, so
     that it is built again rather than leaving every later engine on SDPA; None then."""
-    try:
-        if not whole_elf(built):
-            raise ImportError("the file is cut short or not a 64-bit ELF shared object")
-        spec = importlib.util.spec_from_file_location(NAME, built)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    except ImportError as exc:
-        log.warning("native CPU kernels: the built module does not load; building it again",
-                    extra={"fields": {"path": str(built), "error": str(exc)[:300]}})
-        built.unlink(missing_ok=True)
-        return None
+    error = "the file is cut short or not a 64-bit ELF shared object"
+    if whole_elf(built):
+        try:
+            spec = importlib.util.spec_from_file_location(NAME, built)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        except ImportError as exc:
+            error = str(exc)[:300]
+    log.warning("native CPU kernels: the built module does not load; building it again",
+                extra={"fields": {"path": str(built), "error": error}})
+    built.unlink(missing_ok=True)
+    return None
 
 
 def load(mode: str = "auto") -> DecodeKernel | None:
