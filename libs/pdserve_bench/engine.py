@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from pdserve.attention import cpu_decode
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
 from pdserve.models import save_builtin
@@ -62,8 +63,9 @@ class Result:
     model: str = "bench-50m"
     prompt_len: int = 0
     threads: int = 0
-    # What pdserve's side ran (--native-kernels): "native" (attention/cpu_decode.py) or
-    # "sdpa" for decode attention; the elementwise kernels' name (models/kernels.py).
+    # What pdserve's side ran (--native-kernels): "native" (attention/cpu_decode.py; in
+    # bfloat16 "native-avx512bf16" with vdpbf16ps, "native-avx512" without) or "sdpa" for
+    # decode attention; the elementwise kernels' name (models/kernels.py).
     decode_attention: str = ""
     elementwise: str = ""
 
@@ -150,6 +152,8 @@ def bench(concurrencies: list[int], prompt_len: int, new_tokens: int,
     run_hf(hf, warm, 4)
     weight_mb = weight_bytes(engine.runner.model) / 2**20
     attention = "native" if getattr(engine.runner.backend, "native", None) else "sdpa"
+    if attention == "native" and dtype == "bfloat16":  # how its bfloat16 scores ran
+        attention += "-" + cpu_decode.module(native).bf16_dot_product()
     return [replace(_one_concurrency(engine, hf, n, prompt_len, new_tokens, repeats, dtype),
                     packed_weights=packed, weight_mb=round(weight_mb, 1), model=model,
                     prompt_len=prompt_len, threads=torch.get_num_threads(),

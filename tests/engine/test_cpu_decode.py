@@ -5,6 +5,9 @@ rounding, and every way it can be refused named."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,19 @@ from tests.engine.helpers import make_engine, random_prompts, run_all
 runs_here = pytest.mark.skipif(
     bool(cpu_decode.missing_cpu_flags()),
     reason=f"the CPU lacks {cpu_decode.missing_cpu_flags()} (the kernel's instructions)")
+
+
+@pytest.fixture(params=["avx512bf16", "avx512"])
+def bf16_scores(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Each way the kernel scores bfloat16 keys: vdpbf16ps where the CPU has AVX-512-BF16,
+    and widened to float32 with FMA (the only way on AVX-512 CPUs without it)."""
+    module = cpu_decode.module("on")
+    if request.param == "avx512bf16" and "avx512_bf16" not in cpu_decode.cpu_flags():
+        pytest.skip("the CPU lacks avx512_bf16 (vdpbf16ps)")
+    before = module.bf16_dot_product()
+    module.set_bf16_dot_product(request.param == "avx512bf16")
+    yield request.param
+    module.set_bf16_dot_product(before == "avx512bf16")
 
 
 def reference(q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, scale: float
@@ -47,7 +63,7 @@ def inputs(dtype: torch.dtype, b: int, h: int, g: int, d: int, lens: list[int], 
 @runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", cpu_decode.HEAD_DIMS)
-def test_the_kernel_computes_attention(dtype: torch.dtype, d: int) -> None:
+def test_the_kernel_computes_attention(dtype: torch.dtype, d: int, bf16_scores: str) -> None:
     kernel = cpu_decode.load("on")
     assert kernel is not None
     for g in (1, 4, 8):
@@ -70,7 +86,20 @@ def test_the_kernel_computes_attention(dtype: torch.dtype, d: int) -> None:
 
 
 @runs_here
-def test_no_key_past_a_sequences_length_is_read() -> None:
+def test_bf16_scores_use_vdpbf16ps_where_the_cpu_has_it() -> None:
+    module = cpu_decode.module("on")
+    if "avx512_bf16" in cpu_decode.cpu_flags():
+        assert module.bf16_dot_product() == "avx512bf16"
+        return
+    assert module.bf16_dot_product() == "avx512"
+    with pytest.raises(RuntimeError) as err:
+        module.set_bf16_dot_product(True)
+    assert "this CPU has no AVX-512-BF16 (vdpbf16ps)" in str(err.value)
+    assert module.bf16_dot_product() == "avx512"
+
+
+@runs_here
+def test_no_key_past_a_sequences_length_is_read(bf16_scores: str) -> None:
     """NaN after each sequence's keys changes nothing, bit for bit."""
     kernel = cpu_decode.load("on")
     assert kernel is not None
@@ -128,11 +157,11 @@ def test_a_cpu_without_the_instructions_falls_back_or_fails_by_name(
     caplog.set_level(logging.INFO, logger=cpu_decode.__name__)
     assert cpu_decode.load("auto") is None
     assert [r.fields for r in caplog.records if hasattr(r, "fields")] == [  # type: ignore[attr-defined]
-        {"reason": "the CPU lacks avx512bw, avx512vl, avx512dq, avx512_bf16"}]
+        {"reason": "the CPU lacks avx512bw, avx512vl, avx512dq"}]
     with pytest.raises(ValueError) as err:
         cpu_decode.load("on")
     assert str(err.value) == ("native_kernels 'on': the native CPU kernels cannot run here: "
-                              "the CPU lacks avx512bw, avx512vl, avx512dq, avx512_bf16")
+                              "the CPU lacks avx512bw, avx512vl, avx512dq")
     with pytest.raises(ValueError) as err:
         make_engine(num_blocks=16, native_kernels="on")
     assert "the CPU lacks avx512bw" in str(err.value)
@@ -260,15 +289,60 @@ def test_a_module_that_does_not_load_is_built_again(
     def rebuild(**kwargs: object) -> str:
         assert not built.exists(), "the broken module is removed before the build"
         builds.append(kwargs["build_directory"])
+        (Path(str(kwargs["build_directory"])) / f"{cpu_decode.NAME}.so").write_bytes(b"new")
         return "rebuilt"
 
     monkeypatch.setattr(cpp_extension, "load", rebuild)
     with caplog.at_level(logging.WARNING, logger=cpu_decode.__name__):
         assert cpu_decode.build() == ("rebuilt", "")
-    assert builds == [str(built.parent)]
+    assert builds == [f"{built.parent}.build-{os.getpid()}"]
+    assert built.read_bytes() == b"new"  # the new build moved into place
     assert [r.getMessage() for r in caplog.records] == [
         "native CPU kernels: the built module does not load; building it again"]
     assert caplog.records[0].fields["path"] == str(built)  # type: ignore[attr-defined]
+
+
+def test_a_build_is_moved_into_place_only_whole(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A build runs in a directory of its own: one that fails (or is killed, leaving an
+    object file cut short for ninja to link from) leaves nothing where engines look, and the
+    directory of a killed build is removed by the next one."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    path = cpu_decode.build_dir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid nothing runs under now
+    killed = path.with_name(f"{path.name}.build-{dead.pid}")
+    killed.mkdir()
+    (killed / "cpu_decode_attention.o").write_bytes(b"half")
+    stages: list[Path] = []
+
+    def half_built(**kwargs: object) -> None:
+        stage = Path(str(kwargs["build_directory"]))
+        stages.append(stage)
+        (stage / "cpu_elementwise.o").write_bytes(b"half")
+        raise RuntimeError("Error building extension 'pdserve_cpu_decode_attention'\nmore")
+
+    monkeypatch.setattr(cpp_extension, "load", half_built)
+    assert cpu_decode.build() == (None, "the build failed: Error building extension "
+                                        "'pdserve_cpu_decode_attention'")
+    assert not killed.exists()
+    assert stages == [path.with_name(f"{path.name}.build-{os.getpid()}")]
+    assert not stages[0].exists() and not path.exists()
+
+    def other_engine_first(**kwargs: object) -> str:
+        path.mkdir()  # another engine's whole build lands while this one compiles
+        (path / f"{cpu_decode.NAME}.so").write_bytes(built)
+        (Path(str(kwargs["build_directory"])) / f"{cpu_decode.NAME}.so").write_bytes(b"mine")
+        return "mine"
+
+    built = b"theirs"
+    monkeypatch.setattr(cpp_extension, "load", other_engine_first)
+    monkeypatch.setattr(cpu_decode, "whole_elf", lambda p: p.exists())
+    assert cpu_decode.build() == ("mine", "")
+    assert (path / f"{cpu_decode.NAME}.so").read_bytes() == built
+    assert list(path.parent.iterdir()) == [path]
 
 
 def test_a_kernel_cache_that_cannot_be_a_directory_is_named(
@@ -285,7 +359,8 @@ def test_a_kernel_cache_that_cannot_be_a_directory_is_named(
         cpu_decode.load("on")
     assert str(err.value) == (
         "native_kernels 'on': the native CPU kernels cannot run here: the build failed: "
-        f"[Errno 20] Not a directory: '{cpu_decode.build_dir()}'")
+        f"the kernel cache {taken} is not a directory (PDSERVE_KERNEL_CACHE, default "
+        "~/.cache/pdserve/kernels)")
 
 
 def test_the_image_build_names_a_failure(monkeypatch: pytest.MonkeyPatch, tmp_path,  # type: ignore[no-untyped-def]

@@ -1,37 +1,39 @@
 """A native decode attention for CPU engines: ``csrc/cpu_decode_attention.cpp``, built once.
 
 Why not torch's SDPA: in a decode step each sequence has one new query token, and with grouped
-KV heads the 4-8 query heads of a KV head are its queries; SDPA's flash kernel (built for
-blocks of many queries) then costs ~40-70 ns per (sequence, KV head, key) in bfloat16 on an
-AMX Xeon, 0.38-0.65 ms per layer at 32 sequences of ~160 tokens: 15-25% of a decode step.
-The kernel scores 4 keys at a time for every query head of a KV head (``vdpbf16ps`` in
-bfloat16), reads each sequence's own length (no mask), and runs the softmax in float32:
-alone, 2.2x faster than SDPA on the same K/V at 158 keys in bfloat16 and 1.8x at 1024
-(float32 1.6x and 1.4x; docs/benchmarks.md, "Native CPU kernels"). No library on PyPI ships
-such a kernel for torch 2.13 on CPU (Intel's extension for PyTorch, whose paged attention did,
-ended with torch 2.8), so it is ours.
+KV heads the 4-8 query heads of a KV head are its queries; SDPA's flash kernel (built for blocks
+of many queries) then costs ~40-70 ns per (sequence, KV head, key) in bfloat16 on an AMX Xeon,
+0.38-0.65 ms per layer at 32 sequences of ~160 tokens: 15-25% of a decode step. The kernel
+scores 4 keys at a time for every query head of a KV head (in bfloat16 with ``vdpbf16ps`` where
+the CPU has AVX-512-BF16, else widened to float32 with FMA), reads each sequence's own length
+(no mask), and runs the softmax in float32: alone, 2.2x faster than SDPA on the same K/V at 158
+keys in bfloat16 and 1.8x at 1024 (float32 1.6x and 1.4x; docs/benchmarks.md, "Native CPU
+kernels"). No library on PyPI ships such a kernel for torch 2.13 on CPU (Intel's extension for
+PyTorch, whose paged attention did, ended with torch 2.8), so it is ours.
 
 Built with ``torch.utils.cpp_extension.load`` (the machine's C++ compiler and ninja) into
-``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), in a directory named by a
-hash of the source, the flags and torch's version: the first engine on a machine waits for
-the build (~25 s on 2 cores), later ones load the built module directly (no compiler then).
-``make setup`` and the CPU engine image build it ahead: ``python -c "from
-pdserve.attention import cpu_decode; cpu_decode.main()"``. The flags name the instruction
-sets, not ``-march=native``, so a module built on one machine runs on any CPU that has them
-(checked at load).
+``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), in a directory named by a hash
+of the sources, the flags and torch's version: the first engine on a machine waits for the build
+(~25-90 s on 2 cores), later ones load the built module directly (no compiler then). ``make setup``
+and the CPU engine image build it ahead: ``python -c "from pdserve.attention import cpu_decode;
+cpu_decode.main()"``. The flags name the instruction sets, not ``-march=native``, so a module
+built on one machine runs on any CPU that has them (checked at load).
 
-``mode`` (``EngineArgs.native_kernels``, ``--native-kernels``): "auto" uses it where the CPU
-has AVX-512 (F, BW, VL, DQ) with BF16 and the build works, otherwise SDPA (one log line says
-why); "on" raises instead; "off" never builds it. The same module carries bfloat16 RMSNorm
-(with the residual add) and SiLU-and-mul (``csrc/cpu_elementwise.cpp``), which
-``models/kernels.py`` uses under the same mode.
+``mode`` (``EngineArgs.native_kernels``, ``--native-kernels``): "auto" uses it where the CPU has
+AVX-512 F, BW, VL and DQ (BF16 is used where present, not needed) and the build works, otherwise
+SDPA (one log line says why); "on" raises instead; "off" never builds it. The same module
+carries bfloat16 RMSNorm (with the residual add) and SiLU-and-mul
+(``csrc/cpu_elementwise.cpp``), which ``models/kernels.py`` uses under the same mode.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import logging
+import os
+import shutil
 import struct
 import threading
 from collections.abc import Callable
@@ -46,10 +48,14 @@ MODES = ("auto", "on", "off")
 NAME = "pdserve_cpu_decode_attention"
 SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.cpp"
 # The same module carries bfloat16 RMSNorm and SiLU-and-mul (models/kernels.py, CpuKernels).
-SOURCES = (SOURCE, SOURCE.with_name("cpu_elementwise.cpp"))
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-          "-mavx512bf16", "-mfma"]
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
+# The kernel's templates are compiled twice: for AVX-512 (F, BW, VL, DQ), and with AVX-512-BF16
+# in the _bf16 file only, which the module calls where the CPU has it (bfloat16 scores with
+# vdpbf16ps; elsewhere widened to float32 and multiplied with FMA).
+SOURCES = (SOURCE, SOURCE.with_name("cpu_decode_attention_bf16.cpp"),
+           SOURCE.with_name("cpu_elementwise.cpp"))
+HEADERS = (SOURCE.with_name("cpu_decode_attention_impl.h"),)
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 HEAD_DIMS = (32, 64, 96, 128, 256)
 MAX_GROUPS = 8
 
@@ -80,7 +86,8 @@ def missing_cpu_flags(flags: set[str] | None = None) -> list[str]:
 
 def build_dir() -> Path:
     root = Path(env.kernel_cache() or Path.home() / ".cache" / "pdserve" / "kernels")
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+                         + " ".join(CFLAGS).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     return root / f"cpu_decode_attention-{key}"
 
@@ -100,16 +107,55 @@ def build() -> tuple[Any, str]:
         built = path / f"{NAME}.so"
         module = _load_built(built) if built.is_file() else None
         if module is None:
-            from torch.utils import cpp_extension
-
-            path.mkdir(parents=True, exist_ok=True)
-            module = cpp_extension.load(name=NAME, sources=[str(p) for p in SOURCES],
-                                        extra_cflags=CFLAGS,
-                                        build_directory=str(path), verbose=False)
+            module = _build_staged(path)
     except Exception as exc:  # no compiler, no ninja, a failed build: SDPA serves instead
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return None, f"the build failed: {first[:300]}"
     return module, ""
+
+
+def _build_staged(path: Path) -> Any:
+    """Build in a directory of this process's own, then move it to ``path`` whole: a build
+    killed half way (an object file cut short, which ninja would link from) never lies where
+    engines look, and engines building at once never write the same files. Where another
+    engine's build landed first, its module stays and this one's directory goes."""
+    from torch.utils import cpp_extension
+
+    if path.parent.exists() and not path.parent.is_dir():
+        raise NotADirectoryError(f"the kernel cache {path.parent} is not a directory "
+                                 f"({env.KERNEL_CACHE_VAR}, default ~/.cache/pdserve/kernels)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stage in path.parent.glob(f"{path.name}.build-*"):  # left by builds that were killed
+        pid = stage.name.rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stage, ignore_errors=True)
+    stage = path.with_name(f"{path.name}.build-{os.getpid()}")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        module = cpp_extension.load(name=NAME, sources=[str(p) for p in SOURCES],
+                                    extra_cflags=CFLAGS, build_directory=str(stage),
+                                    verbose=False)
+        if not whole_elf(path / f"{NAME}.so"):
+            shutil.rmtree(path, ignore_errors=True)  # what a killed build left before this
+        try:
+            os.rename(stage, path)
+        except OSError as exc:  # another engine's whole build is there
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return module
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
 
 
 def whole_elf(path: Path) -> bool:
@@ -174,6 +220,9 @@ def module(mode: str = "auto") -> Any:
             if kernel is None:
                 log.info("native CPU kernels: not used (torch's SDPA and elementwise ops)",
                          extra={"fields": {"reason": reason}})
+            else:  # which instructions score bfloat16 keys on this CPU
+                log.info("native CPU kernels: in use",
+                         extra={"fields": {"bf16_scores": kernel.bf16_dot_product()}})
     kernel, reason = _built
     if kernel is None and mode == "on":
         raise ValueError(f"native_kernels 'on': the native CPU kernels cannot run here: "

@@ -1,0 +1,18 @@
+// The decode attention kernel (cpu_decode_attention_impl.h) with AVX-512-BF16 enabled for this
+// file only: bfloat16 scores as dot products of pairs (vdpbf16ps). cpu_decode_attention.cpp
+// calls it only where the CPU has the instructions, so the module loads on AVX-512 CPUs
+// without them (Skylake, Cascade Lake and Ice Lake Xeons).
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("avx512bf16")
+#define PD_DPBF16 1
+#define PD_KERNEL_NS avx512bf16
+#include "cpu_decode_attention_impl.h"
+#pragma GCC pop_options
