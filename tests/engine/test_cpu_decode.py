@@ -431,3 +431,25 @@ def test_kernels_follow_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
         kernels.kernels_for(rotary, 64, cpu, torch.bfloat16, "on")
     assert str(err.value).startswith("native_kernels 'on': the native CPU kernels cannot run "
                                      "here: the CPU lacks avx512f")
+
+
+@pytest.mark.parametrize(("flags", "warned"), [
+    ({"avx2", "avx512f"}, True),  # bfloat16 emulated: ~3.4x slower than float32 here
+    ({"avx512f", "avx512_bf16"}, False),
+    ({"avx512f", "amx_bf16"}, False),
+    (set(), False),  # flags unknown (not x86 Linux): nothing said
+])
+def test_bfloat16_on_a_cpu_that_emulates_it_is_warned(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, flags: set[str],
+        warned: bool) -> None:
+    from pdserve.models import kernels
+    from pdserve.models.rope import RopeConfig, Rotary
+
+    monkeypatch.setattr(cpu_decode, "cpu_flags", lambda: flags)
+    rotary, cpu = Rotary(RopeConfig(), 64), torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        for dtype in (torch.float32, torch.bfloat16):
+            kernels.kernels_for(rotary, 64, cpu, dtype, "off")
+    assert [r.getMessage() for r in caplog.records] == (
+        ["bfloat16 on a CPU without AVX-512-BF16 or AMX: its matrix products run ~3x slower "
+         "than float32's here; --dtype float32 serves faster"] if warned else [])

@@ -177,11 +177,26 @@ def self_test(kernels: Kernels, rotary: Rotary, device: torch.device,
         torch.testing.assert_close(got.float(), expect.float(), atol=0.05, rtol=0.05)
 
 
+def warn_slow_bf16() -> None:
+    """One warning where bfloat16 matrix products are emulated: an x86 CPU with neither
+    AVX-512-BF16 nor AMX runs them ~3.4x slower than float32's (measured on an Intel Xeon
+    with AVX-512F only: docs/benchmarks.md), so a bfloat16 engine there is the slow choice."""
+    from pdserve.attention import cpu_decode
+
+    flags = cpu_decode.cpu_flags()
+    if flags and not flags & {"avx512_bf16", "amx_bf16"}:
+        log.warning("bfloat16 on a CPU without AVX-512-BF16 or AMX: its matrix products run "
+                    "~3x slower than float32's here; --dtype float32 serves faster",
+                    extra={"fields": {"cpu_has": sorted(flags & {"avx2", "avx512f"})}})
+
+
 def kernels_for(rotary: Rotary, max_positions: int, device: torch.device,
                 dtype: torch.dtype, native: str = "off") -> Kernels:
     """FlashInfer's kernels where they run and pass ``self_test``; on the CPU in bfloat16,
     pdserve's C++ ones under ``native`` ("auto" | "on" | "off", ``attention/cpu_decode.py``);
     else torch's, saying why."""
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        warn_slow_bf16()
     if device.type == "cpu" and dtype == torch.bfloat16 and native != "off":
         from pdserve.attention import cpu_decode
 
