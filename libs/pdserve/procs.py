@@ -24,6 +24,17 @@ BIND_FAILED = re.compile(r"(?i)cannot bind|failed to bind|address already in use
 READY = re.compile(r"pdserve (\w+) listening on (\S+):(\d+)(?: \(metrics on (\S+)\))?")
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        pass
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -26,6 +26,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.procs import pid_alive
+
 PREFIX = "pdcl"
 SUBNET_BASE = "10.220"
 NODE_DEVICE = "eth0"  # each node's end of its link, inside its namespace
@@ -64,15 +66,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def _kill_netns_processes(netns: str) -> None:
     """SIGKILL every process in ``netns`` and wait until none is left (5 s at most)."""
@@ -101,13 +94,13 @@ def remove_stale() -> list[str]:
     removed = []
     for name in _netns_names():
         m = _OWNED.match(name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             _kill_netns_processes(name)
             ip("netns", "del", name, check=False)
             removed.append(name)
     for name in _link_names():
         m = _OWNED.match(name)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             ip("link", "del", name, check=False)
             removed.append(name)
     return removed

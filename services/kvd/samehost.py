@@ -48,6 +48,7 @@ import numpy as np
 
 from pdserve.hashing import block_checksum
 from pdserve.kvd import layout as L
+from pdserve.procs import pid_alive
 from services.kvd import segments
 from services.kvd.config import KvdConfig
 
@@ -80,7 +81,7 @@ class PeerPool:
 
     def alive(self) -> bool:
         """Whether the kvd that created the segment still runs."""
-        return self.pid is not None and segments.is_alive(self.pid)
+        return self.pid is not None and pid_alive(self.pid)
 
 
 def map_segment(name: str, shm_dir: Path = segments.SHM_DIR) -> PeerPool | None:

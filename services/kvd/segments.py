@@ -24,6 +24,8 @@ import re
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
+from pdserve.procs import pid_alive
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
@@ -56,16 +58,6 @@ def owner_pid(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
 def unlink_stale(shm_dir: Path = SHM_DIR) -> list[str]:
     """Unlink the segments whose creating kvd is dead; return their names."""
     removed: list[str] = []
@@ -75,7 +67,7 @@ def unlink_stale(shm_dir: Path = SHM_DIR) -> list[str]:
         return removed  # no /dev/shm here (not Linux): nothing to clean
     for path in entries:
         pid = owner_pid(path.name)
-        if pid is None or pid == os.getpid() or is_alive(pid):
+        if pid is None or pid == os.getpid() or pid_alive(pid):
             continue
         try:
             path.unlink()

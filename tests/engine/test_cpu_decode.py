@@ -331,17 +331,18 @@ def test_a_build_is_moved_into_place_only_whole(monkeypatch: pytest.MonkeyPatch,
     assert stages == [path.with_name(f"{path.name}.build-{os.getpid()}")]
     assert not stages[0].exists() and not path.exists()
 
+    theirs = b"theirs"
+
     def other_engine_first(**kwargs: object) -> str:
         path.mkdir()  # another engine's whole build lands while this one compiles
-        (path / f"{cpu_decode.NAME}.so").write_bytes(built)
+        (path / f"{cpu_decode.NAME}.so").write_bytes(theirs)
         (Path(str(kwargs["build_directory"])) / f"{cpu_decode.NAME}.so").write_bytes(b"mine")
         return "mine"
 
-    built = b"theirs"
     monkeypatch.setattr(cpp_extension, "load", other_engine_first)
     monkeypatch.setattr(cpu_decode, "whole_elf", lambda p: p.exists())
     assert cpu_decode.build() == ("mine", "")
-    assert (path / f"{cpu_decode.NAME}.so").read_bytes() == built
+    assert (path / f"{cpu_decode.NAME}.so").read_bytes() == theirs
     assert list(path.parent.iterdir()) == [path]
 
 

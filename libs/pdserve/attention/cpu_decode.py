@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from pdserve import env
+from pdserve.procs import pid_alive
 
 MODES = ("auto", "on", "off")
 NAME = "pdserve_cpu_decode_attention"
@@ -53,7 +54,7 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.cpp"
 # vdpbf16ps; elsewhere widened to float32 and multiplied with FMA).
 SOURCES = (SOURCE, SOURCE.with_name("cpu_decode_attention_bf16.cpp"),
            SOURCE.with_name("cpu_elementwise.cpp"))
-HEADERS = (SOURCE.with_name("cpu_decode_attention_impl.h"),)
+HEADERS = (SOURCE.with_name("cpu_decode_attention_impl.h"), SOURCE.with_name("cpu_simd.h"))
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 HEAD_DIMS = (32, 64, 96, 128, 256)
@@ -127,7 +128,7 @@ def _build_staged(path: Path) -> Any:
     path.parent.mkdir(parents=True, exist_ok=True)
     for stage in path.parent.glob(f"{path.name}.build-*"):  # left by builds that were killed
         pid = stage.name.rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(stage, ignore_errors=True)
     stage = path.with_name(f"{path.name}.build-{os.getpid()}")
     shutil.rmtree(stage, ignore_errors=True)
@@ -146,16 +147,6 @@ def _build_staged(path: Path) -> Any:
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return module
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        pass
-    return True
 
 
 def whole_elf(path: Path) -> bool:

@@ -11,14 +11,11 @@
 #include <cmath>
 #include <tuple>
 
+#include "cpu_simd.h"  // load16, exp16
+
 namespace {
 
 using bf16 = c10::BFloat16;
-
-inline __m512 load16(const bf16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 // float32 -> bfloat16, round to nearest even (as torch), NaN kept quiet.
 inline __m256i to_bf16(__m512 x) {
@@ -34,21 +31,6 @@ inline __m512 round_bf16(__m512 x) {  // the float32 value of x rounded to bfloa
 }
 inline void store16(bf16* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
-}
-
-inline __m512 exp16(__m512 x) {  // |x| <= 87
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(87.0f));
-  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 void check_rows(const torch::Tensor& x, const char* name) {
