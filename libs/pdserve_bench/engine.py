@@ -63,9 +63,10 @@ class Result:
     model: str = "bench-50m"
     prompt_len: int = 0
     threads: int = 0
-    # What pdserve's side ran (--native-kernels): "native" (attention/cpu_decode.py; in
-    # bfloat16 "native-avx512bf16" with vdpbf16ps, "native-avx512" without) or "sdpa" for
-    # decode attention; the elementwise kernels' name (models/kernels.py).
+    # What pdserve's side ran (--native-kernels): "native-<instruction set>" (attention/
+    # cpu_decode.py: "native-avx512bf16", bfloat16 scores with vdpbf16ps; "native-avx512";
+    # "native-avx2") or "sdpa" for decode attention; the elementwise kernels' name
+    # (models/kernels.py).
     decode_attention: str = ""
     elementwise: str = ""
 
@@ -152,8 +153,8 @@ def bench(concurrencies: list[int], prompt_len: int, new_tokens: int,
     run_hf(hf, warm, 4)
     weight_mb = weight_bytes(engine.runner.model) / 2**20
     attention = "native" if getattr(engine.runner.backend, "native", None) else "sdpa"
-    if attention == "native" and dtype == "bfloat16":  # how its bfloat16 scores ran
-        attention += "-" + cpu_decode.module(native).bf16_dot_product()
+    if attention == "native":  # with which instructions
+        attention += "-" + cpu_decode.isa(cpu_decode.module(native), getattr(torch, dtype))
     return [replace(_one_concurrency(engine, hf, n, prompt_len, new_tokens, repeats, dtype),
                     packed_weights=packed, weight_mb=round(weight_mb, 1), model=model,
                     prompt_len=prompt_len, threads=torch.get_num_threads(),

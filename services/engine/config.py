@@ -79,9 +79,9 @@ class EngineServiceConfig(GrpcServiceConfig):
     native_kernels: str = setting(
         "auto", choice_kind(*NATIVE_MODES),
         "pdserve's C++ CPU kernels (decode attention; RMSNorm and SiLU-and-mul in bfloat16): "
-        "need AVX-512 with BF16, built once with the machine's C++ compiler and cached in "
-        "$PDSERVE_KERNEL_CACHE; auto = where they can run, else torch's ops; on = fail where "
-        "they cannot; off = torch's ops")
+        "need AVX2 and FMA (AVX-512 and AVX-512-BF16 used where present), built once with "
+        "the machine's C++ compiler and cached in $PDSERVE_KERNEL_CACHE; auto = where they "
+        "can run, else torch's ops; on = fail where they cannot; off = torch's ops")
     calibrate: bool = setting(
         False, BOOL, "measure this engine's prefill rate and decode steps at start (~1-3 s on "
         "a CPU core for a 50M model) and report them in Stats, for the P:D controller to start "

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.attention import cpu_decode
 from pdserve.cli import BENCHMARKS
@@ -81,6 +82,7 @@ def test_its_json_is_a_controller_calibration(capsys: pytest.CaptureFixture[str]
         [r["num_seqs"] / r["pdserve_decode_tps"] for r in rows])
     assert model.prefill_tokens_per_s > 0
     # What ran is in every row: the native decode attention where this CPU runs it (tiny:
-    # head_dim 32), float32's elementwise kernels are torch's.
-    expect = "sdpa" if cpu_decode.missing_cpu_flags() else "native"
+    # head_dim 32) with the instruction set it ran, float32's elementwise kernels are torch's.
+    expect = "sdpa" if cpu_decode.missing_cpu_flags() else \
+        "native-" + cpu_decode.isa(cpu_decode.module("on"), torch.float32)
     assert {(r["decode_attention"], r["elementwise"]) for r in rows} == {(expect, "torch")}

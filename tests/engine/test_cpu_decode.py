@@ -26,17 +26,23 @@ runs_here = pytest.mark.skipif(
     reason=f"the CPU lacks {cpu_decode.missing_cpu_flags()} (the kernel's instructions)")
 
 
-@pytest.fixture(params=["avx512bf16", "avx512"])
-def bf16_scores(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    """Each way the kernel scores bfloat16 keys: vdpbf16ps where the CPU has AVX-512-BF16,
-    and widened to float32 with FMA (the only way on AVX-512 CPUs without it)."""
+ISA_FLAGS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+             "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}}
+
+
+@pytest.fixture(params=list(ISA_FLAGS))
+def isa(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Each instruction set the kernels are compiled for, where the CPU has it: AVX2 (two
+    8-lane halves), AVX-512 (bfloat16 widened to float32 with FMA) and AVX-512-BF16
+    (bfloat16 scores with vdpbf16ps)."""
     module = cpu_decode.module("on")
-    if request.param == "avx512bf16" and "avx512_bf16" not in cpu_decode.cpu_flags():
-        pytest.skip("the CPU lacks avx512_bf16 (vdpbf16ps)")
-    before = module.bf16_dot_product()
-    module.set_bf16_dot_product(request.param == "avx512bf16")
+    lacks = sorted(ISA_FLAGS[request.param] - cpu_decode.cpu_flags())
+    if lacks:
+        pytest.skip(f"the CPU lacks {', '.join(lacks)} ({request.param})")
+    before = module.isa()
+    module.set_isa(request.param)
     yield request.param
-    module.set_bf16_dot_product(before == "avx512bf16")
+    module.set_isa(before)
 
 
 def reference(q: torch.Tensor, kv: torch.Tensor, lens: torch.Tensor, scale: float
@@ -63,7 +69,7 @@ def inputs(dtype: torch.dtype, b: int, h: int, g: int, d: int, lens: list[int], 
 @runs_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", cpu_decode.HEAD_DIMS)
-def test_the_kernel_computes_attention(dtype: torch.dtype, d: int, bf16_scores: str) -> None:
+def test_the_kernel_computes_attention(dtype: torch.dtype, d: int, isa: str) -> None:
     kernel = cpu_decode.load("on")
     assert kernel is not None
     for g in (1, 4, 8):
@@ -86,20 +92,31 @@ def test_the_kernel_computes_attention(dtype: torch.dtype, d: int, bf16_scores: 
 
 
 @runs_here
-def test_bf16_scores_use_vdpbf16ps_where_the_cpu_has_it() -> None:
+def test_the_kernels_run_the_widest_instruction_set_the_cpu_has() -> None:
     module = cpu_decode.module("on")
-    if "avx512_bf16" in cpu_decode.cpu_flags():
-        assert module.bf16_dot_product() == "avx512bf16"
-        return
-    assert module.bf16_dot_product() == "avx512"
-    with pytest.raises(RuntimeError) as err:
-        module.set_bf16_dot_product(True)
-    assert "this CPU has no AVX-512-BF16 (vdpbf16ps)" in str(err.value)
-    assert module.bf16_dot_product() == "avx512"
+    widest = [name for name, flags in ISA_FLAGS.items() if flags <= cpu_decode.cpu_flags()][-1]
+    assert module.isa() == widest
+    assert cpu_decode.isa(module, torch.float32) == widest.replace("avx512bf16", "avx512")
+    try:
+        for name in ISA_FLAGS:
+            if name == widest:
+                break
+            module.set_isa(name)  # a narrower one, as the tests run each
+            assert module.isa() == name
+        for name in list(ISA_FLAGS)[list(ISA_FLAGS).index(widest) + 1:]:
+            with pytest.raises(RuntimeError) as err:
+                module.set_isa(name)
+            assert ("this CPU has no AVX-512-BF16 (vdpbf16ps)" if widest == "avx512" else
+                    "this CPU has no AVX-512 (F, BW, VL and DQ)") in str(err.value)
+        with pytest.raises(RuntimeError) as err:
+            module.set_isa("sse2")
+        assert "isa must be avx2, avx512 or avx512bf16, got sse2" in str(err.value)
+    finally:
+        module.set_isa(widest)
 
 
 @runs_here
-def test_no_key_past_a_sequences_length_is_read(bf16_scores: str) -> None:
+def test_no_key_past_a_sequences_length_is_read(isa: str) -> None:
     """NaN after each sequence's keys changes nothing, bit for bit."""
     kernel = cpu_decode.load("on")
     assert kernel is not None
@@ -153,18 +170,18 @@ def test_a_head_dim_it_was_not_built_for_is_named() -> None:
 def test_a_cpu_without_the_instructions_falls_back_or_fails_by_name(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(cpu_decode, "_built", None)
-    monkeypatch.setattr(cpu_decode, "cpu_flags", lambda: {"avx512f", "avx2"})
+    monkeypatch.setattr(cpu_decode, "cpu_flags", lambda: {"sse4_2", "avx"})
     caplog.set_level(logging.INFO, logger=cpu_decode.__name__)
     assert cpu_decode.load("auto") is None
     assert [r.fields for r in caplog.records if hasattr(r, "fields")] == [  # type: ignore[attr-defined]
-        {"reason": "the CPU lacks avx512bw, avx512vl, avx512dq"}]
+        {"reason": "the CPU lacks avx2, fma"}]
     with pytest.raises(ValueError) as err:
         cpu_decode.load("on")
     assert str(err.value) == ("native_kernels 'on': the native CPU kernels cannot run here: "
-                              "the CPU lacks avx512bw, avx512vl, avx512dq")
+                              "the CPU lacks avx2, fma")
     with pytest.raises(ValueError) as err:
         make_engine(num_blocks=16, native_kernels="on")
-    assert "the CPU lacks avx512bw" in str(err.value)
+    assert "the CPU lacks avx2, fma" in str(err.value)
     engine = make_engine(num_blocks=16)  # auto: SDPA, and it serves
     assert engine.runner.backend.native is None  # type: ignore[attr-defined]
     tokens, _, _ = run_all(engine, [[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0))
@@ -379,7 +396,7 @@ def test_the_image_build_names_a_failure(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 
 @runs_here
-def test_the_bf16_elementwise_kernels_round_like_the_torch_ones() -> None:
+def test_the_bf16_elementwise_kernels_round_like_the_torch_ones(isa: str) -> None:
     """RMSNorm with the residual add and SiLU-and-mul: each element within one bfloat16 step
     of the torch versions (which round like Hugging Face's), nearly all bit for bit; the
     residual sum exactly."""
@@ -431,7 +448,7 @@ def test_kernels_follow_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError) as err:
         kernels.kernels_for(rotary, 64, cpu, torch.bfloat16, "on")
     assert str(err.value).startswith("native_kernels 'on': the native CPU kernels cannot run "
-                                     "here: the CPU lacks avx512f")
+                                     "here: the CPU lacks avx2, fma")
 
 
 @pytest.mark.parametrize(("flags", "warned"), [

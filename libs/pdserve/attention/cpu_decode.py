@@ -5,7 +5,8 @@ KV heads the 4-8 query heads of a KV head are its queries; SDPA's flash kernel (
 of many queries) then costs ~40-70 ns per (sequence, KV head, key) in bfloat16 on an AMX Xeon,
 0.38-0.65 ms per layer at 32 sequences of ~160 tokens: 15-25% of a decode step. The kernel
 scores 4 keys at a time for every query head of a KV head (in bfloat16 with ``vdpbf16ps`` where
-the CPU has AVX-512-BF16, else widened to float32 with FMA), reads each sequence's own length
+the CPU has AVX-512-BF16, else widened to float32 with FMA; 16 lanes of AVX-512, or of AVX2 as
+two 8-lane halves), reads each sequence's own length
 (no mask), and runs the softmax in float32: alone, 2.2x faster than SDPA on the same K/V at 158
 keys in bfloat16 and 1.8x at 1024 (float32 1.6x and 1.4x; docs/benchmarks.md, "Native CPU
 kernels"). No library on PyPI ships such a kernel for torch 2.13 on CPU (Intel's extension for
@@ -20,7 +21,8 @@ cpu_decode.main()"``. The flags name the instruction sets, not ``-march=native``
 built on one machine runs on any CPU that has them (checked at load).
 
 ``mode`` (``EngineArgs.native_kernels``, ``--native-kernels``): "auto" uses it where the CPU has
-AVX-512 F, BW, VL and DQ (BF16 is used where present, not needed) and the build works, otherwise
+AVX2 and FMA (AVX-512 F, BW, VL and DQ, and AVX-512-BF16, are used where present: ``isa()``) and
+the build works, otherwise
 SDPA (one log line says why); "on" raises instead; "off" never builds it. The same module
 carries bfloat16 RMSNorm (with the residual add) and SiLU-and-mul
 (``csrc/cpu_elementwise.cpp``), which ``models/kernels.py`` uses under the same mode.
@@ -49,14 +51,17 @@ MODES = ("auto", "on", "off")
 NAME = "pdserve_cpu_decode_attention"
 SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.cpp"
 # The same module carries bfloat16 RMSNorm and SiLU-and-mul (models/kernels.py, CpuKernels).
-# The kernel's templates are compiled twice: for AVX-512 (F, BW, VL, DQ), and with AVX-512-BF16
-# in the _bf16 file only, which the module calls where the CPU has it (bfloat16 scores with
-# vdpbf16ps; elsewhere widened to float32 and multiplied with FMA).
-SOURCES = (SOURCE, SOURCE.with_name("cpu_decode_attention_bf16.cpp"),
-           SOURCE.with_name("cpu_elementwise.cpp"))
-HEADERS = (SOURCE.with_name("cpu_decode_attention_impl.h"), SOURCE.with_name("cpu_simd.h"))
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+# The module is compiled for AVX2 and FMA; the kernels' templates (the _impl.h headers, over
+# cpu_simd.h's vectors) are compiled once for that, once for AVX-512 F, BW, VL and DQ, and once
+# more with AVX-512-BF16 (bfloat16 attention scores with vdpbf16ps), each of the AVX-512 files
+# under a target pragma of its own; the module runs the widest the CPU has (``isa()``).
+SOURCES = (SOURCE, SOURCE.with_name("cpu_elementwise.cpp"),
+           SOURCE.with_name("cpu_kernels_avx2.cpp"), SOURCE.with_name("cpu_kernels_avx512.cpp"),
+           SOURCE.with_name("cpu_decode_attention_bf16.cpp"))
+HEADERS = tuple(SOURCE.with_name(name) for name in (
+    "cpu_kernels.h", "cpu_simd.h", "cpu_decode_attention_impl.h", "cpu_elementwise_impl.h"))
+CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma"]
+CPU_FLAGS = ("avx2", "fma")
 HEAD_DIMS = (32, 64, 96, 128, 256)
 MAX_GROUPS = 8
 
@@ -211,14 +216,20 @@ def module(mode: str = "auto") -> Any:
             if kernel is None:
                 log.info("native CPU kernels: not used (torch's SDPA and elementwise ops)",
                          extra={"fields": {"reason": reason}})
-            else:  # which instructions score bfloat16 keys on this CPU
-                log.info("native CPU kernels: in use",
-                         extra={"fields": {"bf16_scores": kernel.bf16_dot_product()}})
+            else:  # the instruction set they run with on this CPU
+                log.info("native CPU kernels: in use", extra={"fields": {"isa": kernel.isa()}})
     kernel, reason = _built
     if kernel is None and mode == "on":
         raise ValueError(f"native_kernels 'on': the native CPU kernels cannot run here: "
                          f"{reason}")
     return kernel
+
+
+def isa(built: Any, dtype: torch.dtype) -> str:
+    """The instruction set ``built``'s decode attention runs ``dtype`` with: "avx512bf16"
+    (bfloat16 scores with vdpbf16ps), "avx512" or "avx2"; float32 never uses vdpbf16ps."""
+    name: str = built.isa()
+    return "avx512" if name == "avx512bf16" and dtype != torch.bfloat16 else name
 
 
 def serves(head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> str | None:

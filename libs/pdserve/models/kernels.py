@@ -1,5 +1,6 @@
 """The elementwise kernels of a decoder layer: plain torch everywhere, FlashInfer's fused ones
-on CUDA in half precision, pdserve's C++ ones (``CpuKernels``) on an AVX-512 CPU in bfloat16.
+on CUDA in half precision, pdserve's C++ ones (``CpuKernels``) on an AVX2 or AVX-512 CPU in
+bfloat16.
 
     norm      rms_norm(x)                      add_rms_norm(x, residual) -> (norm(x + r), x + r)
     mlp       silu_and_mul([gate | up])        -> silu(gate) * up

@@ -16,30 +16,26 @@
 // softmax in float32 with a polynomial exp; then the weighted sum of V rows in float32.
 // Every score goes through the same 4-key path (a short tail is padded), so a key's score
 // does not depend on where it falls.
-#include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
 
-#include <algorithm>
-#include <cmath>
-#include <vector>
+#include <string>
 
-#define PD_KERNEL_NS avx512
-#include "cpu_decode_attention_impl.h"
-#undef PD_KERNEL_NS
-
-namespace avx512bf16 {  // cpu_decode_attention_bf16.cpp
-void decode(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& lens,
-            double scale, torch::Tensor& out);
-}
+#include "cpu_kernels.h"
 
 namespace {
 
-// Whether bfloat16 scores use vdpbf16ps: where the CPU has AVX-512-BF16, unless turned off
-// (set_bf16_dot_product; the tests run both paths on such a CPU).
-bool use_dpbf16 = __builtin_cpu_supports("avx512bf16");
+bool has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+bool has_avx512bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+
+// The widest set this CPU has, unless set_isa chose a narrower one (the tests run each).
+Isa current = has_avx512bf16() ? Isa::avx512bf16 : has_avx512() ? Isa::avx512 : Isa::avx2;
 
 }  // namespace
+
+Isa isa() { return current; }
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& kv,
                                const torch::Tensor& lens, double scale) {
@@ -50,7 +46,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& kv,
               "q must be float32 or bfloat16");
   TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "kv must have q's dtype");
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
-  TORCH_CHECK(G >= 1 && G <= avx512::kMaxGroups, "at most 8 query heads per KV head");
+  TORCH_CHECK(G >= 1 && G <= kMaxGroups, "at most 8 query heads per KV head");
   TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.size(1) == B && kv.size(3) == H * D &&
                   kv.stride(3) == 1,
               "kv must be [2, B, L, H * D] with contiguous rows");
@@ -63,18 +59,27 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& kv,
   }
   auto out = torch::empty_like(q);
   if (B == 0) return out;
-  if (use_dpbf16 && q.scalar_type() == torch::kBFloat16) avx512bf16::decode(q, kv, lens, scale, out);
+  if (current == Isa::avx512bf16 && q.scalar_type() == torch::kBFloat16)
+    avx512bf16::decode(q, kv, lens, scale, out);
+  else if (current == Isa::avx2) avx2::decode(q, kv, lens, scale, out);
   else avx512::decode(q, kv, lens, scale, out);
   return out;
 }
 
-// "avx512bf16" where bfloat16 scores use vdpbf16ps, else "avx512" (widened, FMA).
-std::string bf16_dot_product() { return use_dpbf16 ? "avx512bf16" : "avx512"; }
+// The instruction set the kernels run with: "avx512bf16" (bfloat16 scores with vdpbf16ps; the
+// rest as "avx512"), "avx512" (AVX-512 F, BW, VL, DQ; bfloat16 widened to float32, FMA) or
+// "avx2" (AVX2 and FMA, the same arithmetic on 8 lanes).
+std::string isa_name() {
+  return current == Isa::avx512bf16 ? "avx512bf16" : current == Isa::avx512 ? "avx512" : "avx2";
+}
 
-void set_bf16_dot_product(bool on) {
-  TORCH_CHECK(!on || __builtin_cpu_supports("avx512bf16"),
-              "this CPU has no AVX-512-BF16 (vdpbf16ps)");
-  use_dpbf16 = on;
+void set_isa(const std::string& name) {
+  if (name == "avx2") current = Isa::avx2;
+  else if (name == "avx512" || name == "avx512bf16") {
+    TORCH_CHECK(has_avx512(), "this CPU has no AVX-512 (F, BW, VL and DQ)");
+    TORCH_CHECK(name == "avx512" || has_avx512bf16(), "this CPU has no AVX-512-BF16 (vdpbf16ps)");
+    current = name == "avx512" ? Isa::avx512 : Isa::avx512bf16;
+  } else TORCH_CHECK(false, "isa must be avx2, avx512 or avx512bf16, got ", name);
 }
 
 // cpu_elementwise.cpp
@@ -87,8 +92,8 @@ torch::Tensor silu_and_mul_bf16(const torch::Tensor& x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over per-sequence K/V rows");
-  m.def("bf16_dot_product", &bf16_dot_product, "the instructions of bfloat16 scores");
-  m.def("set_bf16_dot_product", &set_bf16_dot_product, "vdpbf16ps for bfloat16 scores or not");
+  m.def("isa", &isa_name, "the instruction set the kernels run with");
+  m.def("set_isa", &set_isa, "run with this instruction set (avx2, avx512, avx512bf16)");
   m.def("rms_norm_bf16", &rms_norm_bf16, "bfloat16 RMSNorm, Hugging Face's rounding");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "(rms_norm(x + residual), x + residual)");
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up of [gate | up]");

@@ -1,26 +1,15 @@
-// The decode attention kernel (cpu_decode_attention.cpp says what it computes), compiled twice:
-// in cpu_decode_attention.cpp for AVX-512 F, BW, VL and DQ (bfloat16 widened to float32 and
-// multiplied with FMA), and in cpu_decode_attention_bf16.cpp with AVX-512-BF16 enabled
-// (PD_DPBF16: bfloat16 scores as dot products of pairs, vdpbf16ps). The including file has
-// included <immintrin.h>, <ATen/Parallel.h>, <torch/extension.h>, <algorithm>, <cmath> and
-// <vector>, and names the namespace (PD_KERNEL_NS); the caller has checked the shapes.
-// load16 and exp16 (exp of scores minus their max, all <= 0) come from cpu_simd.h.
+// The decode attention kernel (cpu_decode_attention.cpp says what it computes), compiled three
+// times over the SIMD layer of cpu_simd.h: for AVX2 and FMA (cpu_kernels_avx2.cpp), for AVX-512
+// F, BW, VL and DQ (cpu_kernels_avx512.cpp), both with bfloat16 widened to float32 and
+// multiplied with FMA; and with AVX-512-BF16 enabled (cpu_decode_attention_bf16.cpp, PD_DPBF16:
+// bfloat16 scores as dot products of pairs, vdpbf16ps). The including file has included
+// <immintrin.h>, <ATen/Parallel.h>, <torch/extension.h>, <algorithm>, <cmath> and <vector>,
+// enabled its instruction set and names the namespace (PD_KERNEL_NS); the caller has checked
+// the shapes (at most kMaxGroups query heads per KV head: cpu_kernels.h). exp16 takes scores minus their max (all <= 0).
 #include "cpu_simd.h"
 
 namespace PD_KERNEL_NS {
 namespace {
-
-constexpr int kMaxGroups = 8;
-
-// [sum a, sum b, sum c, sum d]
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-  __m512 s = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 
 // Scores of the 4 keys at rows kr[0..3] for query heads 0..groups-1, into s[g * stride + 0..3]:
 // FMA in float32 on keys widened to float32 (exact for bfloat16) and a float32 query.
@@ -29,12 +18,11 @@ inline void qk4(const K* const* kr, const float* q, int groups, float scale, flo
                 int64_t stride) {
   constexpr int C = D / 16;
   for (int g = 0; g < groups; ++g) {
-    __m512 acc[4];
+    vf acc[4];
     for (int j = 0; j < 4; ++j) {
-      acc[j] = _mm512_mul_ps(load16(kr[j]), _mm512_loadu_ps(q + g * D));
+      acc[j] = vmul(load16(kr[j]), load16(q + g * D));
       for (int c = 1; c < C; ++c)
-        acc[j] = _mm512_fmadd_ps(load16(kr[j] + 16 * c), _mm512_loadu_ps(q + g * D + 16 * c),
-                                 acc[j]);
+        acc[j] = vfmadd(load16(kr[j] + 16 * c), load16(q + g * D + 16 * c), acc[j]);
     }
     _mm_storeu_ps(s + g * stride,
                   _mm_mul_ps(reduce4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(scale)));
@@ -68,21 +56,15 @@ inline const float* query(const float* q, int, float*) { return q; }
 inline const c10::BFloat16* query(const c10::BFloat16* q, int, float*) { return q; }
 #else
 inline const float* query(const c10::BFloat16* q, int n, float* wide) {
-  for (int i = 0; i < n; i += 16) _mm512_storeu_ps(wide + i, load16(q + i));
+  for (int i = 0; i < n; i += 16) store16(wide + i, load16(q + i));
   return wide;
 }
 #endif
 
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(c10::BFloat16* p, __m512 x) {
-  // Round to nearest even, as torch converts float32 to bfloat16 (NaN kept quiet).
-  __m512i bits = _mm512_castps_si512(x);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+using ::store16;  // float32 (cpu_simd.h)
+// Round to nearest even, as torch converts float32 to bfloat16 (NaN kept quiet).
+inline void store16(c10::BFloat16* p, vf x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow<false>(x));
 }
 
 // Rows [from, to) whole (every head's part: the next head reads them from cache), ahead of
@@ -115,39 +97,37 @@ void one_head(const T* q, const T* k, const T* v, int64_t row_stride, int64_t ro
   float inv[kMaxGroups];
   for (int g = 0; g < groups; ++g) {
     float* sg = s + g * padded;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
+    vf mx = vset1(-INFINITY);
     int64_t l = 0;
-    for (; l + 16 <= len; l += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + l));
-    float m = _mm512_reduce_max_ps(mx);
+    for (; l + 16 <= len; l += 16) mx = vmax(mx, load16(sg + l));
+    float m = vreduce_max(mx);
     for (; l < len; ++l) m = std::max(m, sg[l]);
-    const __m512 mz = _mm512_set1_ps(m);
-    __m512 sum = _mm512_setzero_ps();
+    const vf mz = vset1(m);
+    vf sum = vzero();
     for (l = 0; l < len; l += 16) {
       const int64_t n = std::min<int64_t>(16, len - l);
-      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-      __m512 e = _mm512_maskz_mov_ps(
-          mask, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + l), mz)));
-      _mm512_mask_storeu_ps(sg + l, mask, e);
-      sum = _mm512_add_ps(sum, e);
+      vf e = keep_n(exp16(vsub(load_n(sg + l, n), mz)), n);
+      store_n(sg + l, e, n);
+      sum = vadd(sum, e);
     }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    inv[g] = 1.0f / vreduce_add(sum);
   }
-  __m512 acc[kMaxGroups][C];
+  vf acc[kMaxGroups][C];
   for (int g = 0; g < groups; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[g][c] = vzero();
   for (int64_t l = 0; l < len; ++l) {
     const T* vr = v + l * row_stride;
     if (l % 4 == 0) prefetch_rows(v, l + kAhead, std::min(l + kAhead + 4, len), row_stride, row_bytes);
-    __m512 vz[C];
+    vf vz[C];
     for (int c = 0; c < C; ++c) vz[c] = load16(vr + 16 * c);
     for (int g = 0; g < groups; ++g) {
-      const __m512 p = _mm512_set1_ps(s[g * padded + l]);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vz[c], acc[g][c]);
+      const vf p = vset1(s[g * padded + l]);
+      for (int c = 0; c < C; ++c) acc[g][c] = vfmadd(p, vz[c], acc[g][c]);
     }
   }
   for (int g = 0; g < groups; ++g)
     for (int c = 0; c < C; ++c)
-      store16(out + g * D + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+      store16(out + g * D + 16 * c, vmul(acc[g][c], vset1(inv[g])));
 }
 
 template <typename T, int D>

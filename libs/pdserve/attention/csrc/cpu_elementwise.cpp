@@ -4,34 +4,15 @@
 // float32 sum of squares (summed in another order) and exp (a polynomial) differ from torch's,
 // in float32's last bits. Used by pdserve/models/kernels.py (CpuKernels); built with
 // cpu_decode_attention.cpp into one module (pdserve/attention/cpu_decode.py).
-#include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
 
-#include <cmath>
 #include <tuple>
 
-#include "cpu_simd.h"  // load16, exp16
+#include "cpu_kernels.h"  // avx2::, avx512:: norm_rows and silu_and_mul_rows; isa()
 
 namespace {
 
 using bf16 = c10::BFloat16;
-
-// float32 -> bfloat16, round to nearest even (as torch), NaN kept quiet.
-inline __m256i to_bf16(__m512 x) {
-  __m512i bits = _mm512_castps_si512(x);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc00000));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-inline __m512 round_bf16(__m512 x) {  // the float32 value of x rounded to bfloat16
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
-}
-inline void store16(bf16* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x));
-}
 
 void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 &&
@@ -39,30 +20,10 @@ void check_rows(const torch::Tensor& x, const char* name) {
               name, " must be a contiguous bfloat16 CPU [T, N] tensor, N a multiple of 16");
 }
 
-// out = weight * bf16(sum * rsqrt(mean(sum^2) + eps)), sum = bf16(x (+ residual)).
 void norm_rows(const bf16* x, const bf16* r, const bf16* w, bf16* out, bf16* sum_out,
                int64_t rows, int64_t n, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const bf16* xi = x + i * n;
-      bf16* oi = out + i * n;
-      __m512 sq = _mm512_setzero_ps();
-      for (int64_t j = 0; j < n; j += 16) {
-        __m512 v = load16(xi + j);
-        if (r != nullptr) {
-          v = round_bf16(_mm512_add_ps(v, load16(r + i * n + j)));
-          store16(sum_out + i * n + j, v);
-        }
-        sq = _mm512_fmadd_ps(v, v, sq);
-      }
-      const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / n + eps);
-      const bf16* src = r != nullptr ? sum_out + i * n : xi;
-      for (int64_t j = 0; j < n; j += 16) {
-        __m512 normed = round_bf16(_mm512_mul_ps(load16(src + j), _mm512_set1_ps(inv)));
-        store16(oi + j, _mm512_mul_ps(load16(w + j), normed));
-      }
-    }
-  });
+  if (isa() == Isa::avx2) avx2::norm_rows(x, r, w, out, sum_out, rows, n, eps);
+  else avx512::norm_rows(x, r, w, out, sum_out, rows, n, eps);
 }
 
 }  // namespace
@@ -104,16 +65,7 @@ torch::Tensor silu_and_mul_bf16(const torch::Tensor& x) {
   auto out = torch::empty({rows, n}, x.options());
   const bf16* xp = x.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const bf16* gate = xp + i * 2 * n;
-      for (int64_t j = 0; j < n; j += 16) {
-        __m512 g = load16(gate + j);
-        __m512 silu = _mm512_div_ps(
-            g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        store16(op + i * n + j, _mm512_mul_ps(round_bf16(silu), load16(gate + n + j)));
-      }
-    }
-  });
+  if (isa() == Isa::avx2) avx2::silu_and_mul_rows(xp, op, rows, n);
+  else avx512::silu_and_mul_rows(xp, op, rows, n);
   return out;
 }
