@@ -216,7 +216,7 @@ def hardware() -> dict[str, Any]:
                   if ln.startswith("model name")), platform.processor())
     flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines()
                       if ln.startswith("flags")), []))
-    return {"cpu": model, "cores": os.cpu_count(),
+    return {"cpu": model, "cores": os.cpu_count(), "avx2": "avx2" in flags,
             "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "amx": any(f.startswith("amx") for f in flags),
             "link": "veth pairs on a Linux bridge (MTU 1500), no RDMA"}

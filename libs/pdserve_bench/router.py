@@ -94,8 +94,8 @@ def _table(result: dict[str, Any]) -> str:
     for name, row in result["concurrent"].items():
         lines.append(f"{name:<{width}}{_cells(row)}{row['rps']:>9.0f}")
     hw = result["hardware"]
-    lines.append(f"hardware: {hw['cpu']}, {hw['cores']} cores, AVX-512F {hw['avx512f']}, "
-                 f"AVX-512-BF16 {hw['avx512_bf16']}, AMX {hw['amx']}")
+    lines.append(f"hardware: {hw['cpu']}, {hw['cores']} cores, AVX2 {hw.get('avx2')}, "
+                 f"AVX-512F {hw['avx512f']}, AVX-512-BF16 {hw['avx512_bf16']}, AMX {hw['amx']}")
     lines.append(f"router's own work (router - bare grpc relay, median): "
                  f"{result['router_over_bare_relay_median_ms']:.3f} ms; "
                  f"1-min load average {result['load_average_1m']:.1f} on {result['cpus']} CPUs")

@@ -26,7 +26,7 @@ def test_the_ceiling_runs_every_projection_of_a_decode_step() -> None:
 
 def test_hardware_names_the_gemm_features() -> None:
     hw = cpu_features()
-    assert {"avx512_bf16", "amx", "torch_threads", "load_average"} <= set(hw)
+    assert {"avx2", "avx512_bf16", "amx", "torch_threads", "load_average"} <= set(hw)
     assert "link" not in hw
 
 

@@ -48,6 +48,22 @@ def test_bf16_without_onednn_support_keeps_the_plain_gemm(
     assert pack(weight) is None
 
 
+@pytest.mark.parametrize("onednn_bf16", [True, False])
+def test_plain_weights_are_column_major_only_where_that_pays(
+        monkeypatch: pytest.MonkeyPatch, onednn_bf16: bool) -> None:
+    """Unpacked weights: float32 column-major everywhere; bfloat16 column-major only where
+    oneDNN runs it (on an AVX2-only CPU torch's GEMM for a transposed bfloat16 weight ran
+    9x slower), so there it keeps the row-major layout transformers uses."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: onednn_bf16)
+    for dtype, column_major in (("float32", True), ("bfloat16", onednn_bf16)):
+        lm = load_model("tiny", dtype=dtype, packed_weights=False)
+        weights = [m.weight for m in lm.model.modules() if isinstance(m, Linear)]
+        assert weights
+        for w in weights:
+            assert w.t().is_contiguous() == column_major, (dtype, w.stride())
+            assert w.is_contiguous() != column_major
+
+
 def test_what_is_not_packed() -> None:
     assert pack_kind(torch.zeros(4, 4, dtype=torch.float16)) is None
     assert pack_kind(torch.zeros(4)) is None

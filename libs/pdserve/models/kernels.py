@@ -180,14 +180,15 @@ def self_test(kernels: Kernels, rotary: Rotary, device: torch.device,
 
 def warn_slow_bf16() -> None:
     """One warning where bfloat16 matrix products are emulated: an x86 CPU with neither
-    AVX-512-BF16 nor AMX runs them ~3.4x slower than float32's (measured on an Intel Xeon
-    with AVX-512F only: docs/benchmarks.md), so a bfloat16 engine there is the slow choice."""
+    AVX-512-BF16 nor AMX runs them 3-8x slower than float32's (measured: 3.4x on an Intel
+    Xeon with AVX-512F only, 5.1-7.6x on an AMD EPYC with AVX2 only; docs/benchmarks.md), so a
+    bfloat16 engine there is the slow choice."""
     from pdserve.attention import cpu_decode
 
     flags = cpu_decode.cpu_flags()
     if flags and not flags & {"avx512_bf16", "amx_bf16"}:
         log.warning("bfloat16 on a CPU without AVX-512-BF16 or AMX: its matrix products run "
-                    "~3x slower than float32's here; --dtype float32 serves faster",
+                    "3-8x slower than float32's here; --dtype float32 serves faster",
                     extra={"fields": {"cpu_has": sorted(flags & {"avx2", "avx512f"})}})
 
 

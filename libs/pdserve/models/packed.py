@@ -79,6 +79,16 @@ def onednn_bf16_supported() -> bool:
                 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def column_major_pays(dtype: torch.dtype) -> bool:
+    """Whether a plain (unpacked) weight of ``dtype`` is better stored column-major (the
+    loader's ``_pack_linears``): float32 always (MKL takes either layout; 1.3-1.9x faster on
+    AVX-512, the same within 7% on an AVX2-only EPYC), bfloat16 and float16 only where oneDNN
+    runs them. On a CPU where it does not (AVX2 only) torch's fallback GEMM for a transposed
+    half-precision weight ran 9-11x slower than for a row-major one (32 rows, bench-50m's four
+    shapes: bfloat16 302.6 ms against 33.6; float16 297.2 against 28.0; docs/benchmarks.md)."""
+    return dtype == torch.float32 or onednn_bf16_supported()
+
+
 def pack(weight: torch.Tensor) -> PackedWeight | None:
     """A packed copy of ``weight`` [out, in], or None where no packed GEMM applies."""
     kind = pack_kind(weight)

@@ -1,8 +1,9 @@
 // Decode attention on the CPU: one new query token per sequence against that sequence's K/V,
 // the query heads that share a KV head done together. Built at first use by
-// pdserve/attention/cpu_decode.py (torch.utils.cpp_extension), for CPUs with AVX-512 F, BW,
-// VL and DQ (and AVX-512-BF16 where the CPU has it: cpu_decode_attention_bf16.cpp); that
-// module says why torch's SDPA is slower here and what was measured.
+// pdserve/attention/cpu_decode.py (torch.utils.cpp_extension), for CPUs with AVX2 and FMA;
+// the kernels run with AVX-512 F, BW, VL and DQ, and AVX-512-BF16, where the CPU has them
+// (cpu_kernels.h names the files); that module says why torch's SDPA is slower here and what
+// was measured. This file checks the inputs and chooses the instruction set.
 //
 //   q    [B, H, G, D]   contiguous; H KV heads, G query heads per KV head
 //   kv   [2, B, L, H*D] K then V, rows of one token's heads (each row contiguous; any
@@ -12,8 +13,9 @@
 //
 // Per (sequence, KV head): scores of 4 keys at a time for all G query heads (bfloat16: dot
 // products of pairs with vdpbf16ps where the CPU has them, else widened to float32; float32
-// and widened bfloat16: FMA), each 4 reduced in one shuffle tree; the
-// softmax in float32 with a polynomial exp; then the weighted sum of V rows in float32.
+// and widened bfloat16: FMA), each 4 reduced in one shuffle tree; the softmax in float32 with
+// a polynomial exp; then the weighted sum of V rows in float32. 16 lanes throughout: one
+// AVX-512 register, or two AVX2 ones (cpu_simd.h).
 // Every score goes through the same 4-key path (a short tail is padded), so a key's score
 // does not depend on where it falls.
 #include <torch/extension.h>

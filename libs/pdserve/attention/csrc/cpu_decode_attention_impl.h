@@ -5,7 +5,8 @@
 // bfloat16 scores as dot products of pairs, vdpbf16ps). The including file has included
 // <immintrin.h>, <ATen/Parallel.h>, <torch/extension.h>, <algorithm>, <cmath> and <vector>,
 // enabled its instruction set and names the namespace (PD_KERNEL_NS); the caller has checked
-// the shapes (at most kMaxGroups query heads per KV head: cpu_kernels.h). exp16 takes scores minus their max (all <= 0).
+// the shapes (at most kMaxGroups query heads per KV head: cpu_kernels.h). exp16 takes scores
+// minus their max (all <= 0).
 #include "cpu_simd.h"
 
 namespace PD_KERNEL_NS {

@@ -48,9 +48,9 @@ inline __m256i narrow(vf x) {
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
   __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan,
-                                  kCanonicalNaN ? _mm512_set1_epi32(0x7fc00000)
-                                                : _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+  __m512i quiet = kCanonicalNaN ? _mm512_set1_epi32(0x7fc00000)
+                                : _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
+  rounded = _mm512_mask_mov_epi32(rounded, nan, quiet);
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
@@ -142,10 +142,9 @@ inline __m256i narrow8(__m256 x) {  // 8 bfloat16 values in the low 16 bits of e
   __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
   __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded,
-                               kCanonicalNaN ? _mm256_set1_epi32(0x7fc00000)
-                                             : _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)),
-                               nan);
+  __m256i quiet = kCanonicalNaN ? _mm256_set1_epi32(0x7fc00000)
+                                : _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+  rounded = _mm256_blendv_epi8(rounded, quiet, nan);
   return _mm256_srli_epi32(rounded, 16);
 }
 template <bool kCanonicalNaN>
