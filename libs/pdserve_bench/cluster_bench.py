@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import secrets
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import auth
+from pdserve.cpuinfo import cpu_flags, cpu_model
 from pdserve.env import LOG_LEVEL_VAR, SECRET_VAR
 from pdserve.kvd.client import KvdClient
 from pdserve.procs import Proc, child_argv
@@ -211,12 +211,8 @@ def _bytes_in(cluster: NetnsCluster, node: str) -> float:
 
 def hardware() -> dict[str, Any]:
     """What the numbers ran on: CPU model and the flags that matter, cores, the link."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
-                  if ln.startswith("model name")), platform.processor())
-    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines()
-                      if ln.startswith("flags")), []))
-    return {"cpu": model, "cores": os.cpu_count(), "avx2": "avx2" in flags,
+    flags = cpu_flags()
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "avx2": "avx2" in flags,
             "avx512f": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "amx": any(f.startswith("amx") for f in flags),
             "link": "veth pairs on a Linux bridge (MTU 1500), no RDMA"}

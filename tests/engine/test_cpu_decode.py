@@ -26,7 +26,8 @@ runs_here = pytest.mark.skipif(
     reason=f"the CPU lacks {cpu_decode.missing_cpu_flags()} (the kernel's instructions)")
 
 
-ISA_FLAGS = {"avx2": {"avx2", "fma"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+ISA_FLAGS = {"avx2": set(cpu_decode.CPU_FLAGS),
+             "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
              "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}}
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from pdserve import env
+from pdserve.cpuinfo import cpu_flags
 from pdserve.procs import pid_alive
 
 MODES = ("auto", "on", "off")
@@ -71,18 +72,6 @@ DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch
 
 _lock = threading.Lock()
 _built: tuple[Any, str] | None = None  # (the module or None, why not)
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags (Linux), or none where they cannot be read."""
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
 
 
 def missing_cpu_flags(flags: set[str] | None = None) -> list[str]:
