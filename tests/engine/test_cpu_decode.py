@@ -278,6 +278,29 @@ def test_a_built_module_loads_without_the_compiler(monkeypatch: pytest.MonkeyPat
                                atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize(("says", "flags"), [
+    ("g++ (Debian 12.2.0-14+deb12u1) 12.2.0", cpu_decode.CFLAGS),
+    ("Debian clang version 14.0.6", cpu_decode.CLANG_CFLAGS),
+    (None, cpu_decode.CFLAGS)], ids=["gcc", "clang", "not-there"])
+def test_the_flags_follow_the_compiler_cpp_extension_runs(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, says: str | None,
+        flags: list[str]) -> None:
+    """$CXX picks the compiler (as cpp_extension does): clang gets no -fopenmp (torch's
+    OpenMP runtime is GCC's), GCC and a compiler that cannot be asked get every flag, and each
+    set of flags builds into a directory of its own."""
+    cxx = tmp_path / "cxx"
+    if says is not None:
+        cxx.write_text(f"#!/bin/sh\necho '{says}'\n")
+        cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    assert cpu_decode.compiler() == str(cxx)
+    assert cpu_decode.cflags() == flags
+    assert ("-fopenmp" in flags) is (says is None or "clang" not in says)
+    assert cpu_decode.build_dir() == cpu_decode.build_dir(flags)
+    assert cpu_decode.build_dir(cpu_decode.CFLAGS) != cpu_decode.build_dir(
+        cpu_decode.CLANG_CFLAGS)
+
+
 def _cut_short() -> bytes:
     """The first 16 KiB of the module this machine built: dlopen accepts its headers, and
     loading it would then die of SIGBUS."""

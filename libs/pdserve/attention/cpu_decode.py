@@ -18,7 +18,9 @@ of the sources, the flags and torch's version: the first engine on a machine wai
 (~25-90 s on 2 cores), later ones load the built module directly (no compiler then). ``make setup``
 and the CPU engine image build it ahead: ``python -c "from pdserve.attention import cpu_decode;
 cpu_decode.main()"``. The flags name the instruction sets, not ``-march=native``, so a module
-built on one machine runs on any CPU that has them (checked at load).
+built on one machine runs on any CPU that has them (checked at load). GCC and clang (``$CXX``, as
+cpp_extension takes it) both build it; with clang the kernels' loops run on the calling thread
+(``CLANG_CFLAGS``).
 
 ``mode`` (``EngineArgs.native_kernels``, ``--native-kernels``): "auto" uses it where the CPU has
 AVX2 and FMA (AVX-512 F, BW, VL and DQ, and AVX-512-BF16, are used where present: ``isa()``) and
@@ -31,12 +33,14 @@ carries bfloat16 RMSNorm (with the residual add) and SiLU-and-mul
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
 import struct
+import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +66,10 @@ SOURCES = (SOURCE, SOURCE.with_name("cpu_elementwise.cpp"),
 HEADERS = tuple(SOURCE.with_name(name) for name in (
     "cpu_kernels.h", "cpu_simd.h", "cpu_decode_attention_impl.h", "cpu_elementwise_impl.h"))
 CFLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma"]
+# With clang, no -fopenmp: torch's OpenMP is GCC's libgomp, and clang's -fopenmp would link
+# LLVM's libomp beside it (two runtimes in one process, the kernels' threads not torch's). The
+# kernels' at::parallel_for then runs on the calling thread.
+CLANG_CFLAGS = [f for f in CFLAGS if f != "-fopenmp"]
 CPU_FLAGS = ("avx2", "fma")
 HEAD_DIMS = (32, 64, 96, 128, 256)
 MAX_GROUPS = 8
@@ -79,10 +87,32 @@ def missing_cpu_flags(flags: set[str] | None = None) -> list[str]:
     return [f for f in CPU_FLAGS if f not in have]
 
 
-def build_dir() -> Path:
+def compiler() -> str:
+    """The C++ compiler ``cpp_extension`` runs: ``$CXX``, else ``c++``."""
+    return os.environ.get("CXX", "c++")
+
+
+def cflags(cxx: str | None = None) -> list[str]:
+    """The flags for ``cxx`` (default ``compiler()``): ``CLANG_CFLAGS`` where it says it is
+    clang, else ``CFLAGS`` (GCC, or a compiler that cannot be asked: the build says why)."""
+    return _cflags(cxx or compiler())
+
+
+@functools.cache
+def _cflags(cxx: str) -> list[str]:
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return CLANG_CFLAGS if "clang" in version.lower() else CFLAGS
+
+
+def build_dir(flags: list[str] | None = None) -> Path:
+    """Where the module built with ``flags`` (default ``cflags()``) lies."""
     root = Path(env.kernel_cache() or Path.home() / ".cache" / "pdserve" / "kernels")
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-                         + " ".join(CFLAGS).encode()
+                         + " ".join(cflags() if flags is None else flags).encode()
                          + torch.__version__.encode()).hexdigest()[:16]
     return root / f"cpu_decode_attention-{key}"
 
@@ -98,18 +128,19 @@ def build() -> tuple[Any, str]:
     """Load the module built for this source, building it first where it is not (whatever
     this CPU runs: an image may be built on another machine); (kernel, "") or (None, why)."""
     try:
-        path = build_dir()  # reads the sources; a home directory may be missing
+        flags = cflags()
+        path = build_dir(flags)  # reads the sources; a home directory may be missing
         built = path / f"{NAME}.so"
         module = _load_built(built) if built.is_file() else None
         if module is None:
-            module = _build_staged(path)
+            module = _build_staged(path, flags)
     except Exception as exc:  # no compiler, no ninja, a failed build: SDPA serves instead
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return None, f"the build failed: {first[:300]}"
     return module, ""
 
 
-def _build_staged(path: Path) -> Any:
+def _build_staged(path: Path, flags: list[str]) -> Any:
     """Build in a directory of this process's own, then move it to ``path`` whole: a build
     killed half way (an object file cut short, which ninja would link from) never lies where
     engines look, and engines building at once never write the same files. Where another
@@ -129,7 +160,7 @@ def _build_staged(path: Path) -> Any:
     stage.mkdir()
     try:
         module = cpp_extension.load(name=NAME, sources=[str(p) for p in SOURCES],
-                                    extra_cflags=CFLAGS, build_directory=str(stage),
+                                    extra_cflags=flags, build_directory=str(stage),
                                     verbose=False)
         if not whole_elf(path / f"{NAME}.so"):
             shutil.rmtree(path, ignore_errors=True)  # what a killed build left before this

@@ -12,9 +12,18 @@
 
 #include "cpu_kernels.h"
 
+// GCC's target pragma; clang ignores it and takes the same target as an attribute.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+#endif
 #define PD_KERNEL_NS avx512
 #include "cpu_decode_attention_impl.h"
 #include "cpu_elementwise_impl.h"
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
