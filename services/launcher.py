@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pdserve import env, stackfile
@@ -401,16 +402,39 @@ class Stack:
                 dependant.popen.send_signal(signal.SIGTERM)
 
     def stop(self) -> None:
+        """The front door first (gateway, then router: nothing new reaches the engines), then
+        every engine at once, then every kvd at once (after the engines that commit to them),
+        then Redis. Each tier's processes drain in parallel: one by one, a 3-engine stack took
+        ~4 s to stop, most of it engines waiting in turn."""
         self.stopping.set()
-        for proc in reversed(self.procs):
-            if isinstance(proc, WarmProc):
-                proc.stop_spare()
-            proc.stop()
+        for tier in stop_tiers(self.procs):
+            with ThreadPoolExecutor(len(tier)) as pool:
+                list(pool.map(_stop_proc, tier))
         if self.redis is not None:
             self.redis.terminate()
             self.redis.wait(timeout=10)
         self.secrets.remove()
         self.pidfile.remove()
+
+
+def stop_tiers(procs: list[Proc]) -> list[list[Proc]]:
+    """``procs`` (in start order: each engine after its kvd, then the router, the gateway) in
+    the order they stop: one tier each for the gateway and the router, one for the engines,
+    one for the kvds; anything else after the front door, one by one, as started in reverse."""
+    kind = {p.name: p.args[2].removeprefix("services.") if len(p.args) > 2 else ""
+            for p in procs}
+    front = [[p] for p in reversed(procs) if kind[p.name] in ("gateway", "router")]
+    engines = [p for p in reversed(procs) if f"services.{kind[p.name]}" in ENGINE_MODULES]
+    kvds = [p for p in reversed(procs) if kind[p.name] == "kvd"]
+    known = {id(p) for tier in (*front, engines, kvds) for p in tier}
+    others = [[p] for p in reversed(procs) if id(p) not in known]
+    return [t for t in (*front, *others, engines, kvds) if t]
+
+
+def _stop_proc(proc: Proc) -> None:
+    if isinstance(proc, WarmProc):
+        proc.stop_spare()
+    proc.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

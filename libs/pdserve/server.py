@@ -7,6 +7,7 @@ Each service's ``__main__`` does: flags -> config -> ``create_server(config)`` -
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import logging
 import signal
@@ -172,6 +173,10 @@ def run_main(config_cls: type[C], run: Callable[[C], Coroutine[Any, Any, None]],
                 runner.run(run(config))
 
         _profiled(name, main)
+        # Served and stopped: the interpreter's last collection at exit would walk the whole
+        # heap of a process that is ending anyway (~0.55 s of an engine's 0.77 s from SIGTERM
+        # to exit; 0.21 s with the heap frozen). Exit handlers still run.
+        gc.freeze()
     except ConfigError as exc:
         sys.stderr.write(f"pdserve {name}: error: {exc}\n")
         return 2

@@ -85,6 +85,22 @@ def test_service_serves_health_and_reflection_and_stops(service: str) -> None:
             proc.wait()
 
 
+def test_a_service_that_stopped_freezes_its_heap_before_the_interpreter_exits() -> None:
+    """The interpreter's last collection would walk the whole heap of a process that is
+    ending (most of an engine's time from SIGTERM to exit): ``run_main`` freezes it once the
+    service has stopped, and the exit handlers still run."""
+    code = ("import atexit, gc\n"
+            "from pdserve.server import run_main\n"
+            "from services.kvd.config import KvdConfig\n"
+            "async def run(config): print('frozen while serving:', gc.get_freeze_count() > 0)\n"
+            "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count() > 0))\n"
+            "raise SystemExit(run_main(KvdConfig, run, []))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["frozen while serving: False", "frozen at exit: True"]
+
+
 @pytest.mark.parametrize(("service", "args", "env", "needle"), [
     ("router", ["--policy", "random"], {}, "--policy: invalid value 'random' (accepted: "
                                            "cache_aware, least_load, round_robin)"),

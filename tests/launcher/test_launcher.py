@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.launcher import Stack, _args, build_parser, parse_cpus
+from services.launcher import Stack, _args, build_parser, parse_cpus, stop_tiers
 from tests.e2e.stack import ROOT, UpStack, child_env
 
 
@@ -56,6 +56,25 @@ def _engine_flags(args: list[str]) -> dict[str, list[str]]:
 
 def _flag(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
+
+
+@pytest.mark.parametrize("args", [["--prefill", "2", "--decode", "1"],
+                                  ["--colocated", "--decode", "2"],
+                                  ["--prefill", "1", "--decode", "1", "--embedded-router"]])
+def test_the_stack_stops_front_door_first_then_the_engines_then_the_kvds(
+        args: list[str]) -> None:
+    """Nothing new reaches an engine that is stopping, and no kvd stops before the engines
+    that commit to it; the engines (and the kvds) stop together."""
+    stack = Stack(_args(build_parser().parse_args(args)))
+    stack.redis_url = ""
+    stack.plan()
+    tiers = [[p.name for p in tier] for tier in stop_tiers(stack.procs)]
+    engines = sorted(p.name for p in stack.procs if p.name.startswith(("prefill", "decode")))
+    kvds = sorted(p.name for p in stack.procs if p.name.startswith("kvd"))
+    assert tiers[:2] == [["gateway"], ["router"]]
+    assert sorted(tiers[2]) == engines
+    assert [sorted(t) for t in tiers[3:]] == ([kvds] if kvds else [])
+    assert len(sum(tiers, [])) == len(stack.procs)
 
 
 def test_engines_run_on_cpu_by_default() -> None:
