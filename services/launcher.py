@@ -8,12 +8,14 @@
 Every service binds its own port: it is started with ``--port 0`` (and ``--metrics-port 0``),
 and its ready line (``pdserve <name> listening on <host>:<port> (metrics on ...)``) says what it
 got, so start-up never races another process for a port picked in advance. Services start in
-dependency order (kvd -> its engine -> router -> gateway) and each one's real address is written
-into the flags of those started after it. A service that dies is restarted on the port it had,
+dependency order, side by side where they do not depend on each other (the kvds, then the
+engines, then the router, then the gateway; engines that measure themselves at start one at a
+time), and each one's real address is written into the flags of those started after it. A service that dies is restarted on the port it had,
 so its dependants find it again without a restart of their own; only if that port was taken
 meanwhile is it started on port 0 again, its dependants' flags rewritten and those running
 restarted. A gateway ``--port`` given by the user stays fixed (a taken one is an error).
-Redis is supervised like the services. Ctrl-C (or SIGTERM) stops everything, in reverse order.
+Redis is supervised like the services. Ctrl-C (or SIGTERM) stops everything: the gateway, then
+the router, then every engine at once, then every kvd at once, then Redis.
 
 Every child runs in its own process group and dies with this supervisor (PR_SET_PDEATHSIG); a
 pidfile (``pdserve.stackfile``) lists them, and a starting ``pdserve up`` kills what a killed
@@ -31,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -286,9 +289,14 @@ class Stack:
                   "pdserve up that was killed", file=sys.stderr, flush=True)
         self._start_redis()
         self.plan()
-        for proc in self.procs:
-            self._start_one(proc)
-            print(f"  {proc.name:12s} {self.ns.host}:{proc.port}", flush=True)
+        for wave in start_waves(self.procs, self.address, calibrates):
+            for proc in wave:  # spawned on this thread (the parent-death signal is per thread)
+                proc.start(proc.env)
+                self.started_at[proc.name] = time.monotonic()
+            self._write_pidfile()
+            for proc in wave:  # they start side by side; their ready lines, in order
+                self._bound(proc, proc.wait_ready(self.ns.ready_timeout))
+                print(f"  {proc.name:12s} {self.ns.host}:{proc.port}", flush=True)
 
     def _start_one(self, proc: Proc) -> None:
         """Start ``proc`` and wait for its ready line, which names the port it bound."""
@@ -415,6 +423,38 @@ class Stack:
             self.redis.wait(timeout=10)
         self.secrets.remove()
         self.pidfile.remove()
+
+
+def start_waves(procs: list[Proc], address: Callable[[Proc], str],
+                alone: Callable[[Proc], bool] = lambda _: False) -> list[list[Proc]]:
+    """``procs`` in waves that start together: each one once every service whose address
+    its flags name (``address(other)``, a placeholder until that one is ready) has started
+    in an earlier wave, and those ``alone`` picks in a wave of their own each. For ``pdserve
+    up``: the kvds, the engines, the router, the gateway; engines that measure themselves
+    as they start (``--calibrate``) one at a time, on a machine the others leave idle. One
+    by one, a 3-engine tiny stack took ~10.5 s to start, most of it engines in turn."""
+    def waits(proc: Proc, pending: list[Proc]) -> bool:
+        words = {w for arg in proc.args for word in arg.split(" ") for w in word.split(",")}
+        return any(other is not proc and address(other) in words for other in pending)
+
+    waves: list[list[Proc]] = []
+    pending = list(procs)
+    while pending:
+        wave = [p for p in pending if not waits(p, pending)]
+        if not wave:
+            raise RuntimeError("services name each other: "
+                               + ", ".join(p.name for p in pending))
+        together = [p for p in wave if not alone(p)]
+        waves += [together] if together else []
+        waves += [[p] for p in wave if alone(p)]
+        pending = [p for p in pending if p not in wave]
+    return waves
+
+
+def calibrates(proc: Proc) -> bool:
+    """Whether ``proc`` measures its own capacity before its ready line (``--calibrate``)."""
+    args = proc.args
+    return any(args[i:i + 2] == ["--calibrate", "true"] for i in range(len(args) - 1))
 
 
 def stop_tiers(procs: list[Proc]) -> list[list[Proc]]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -384,7 +386,42 @@ def test_a_build_is_moved_into_place_only_whole(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(cpu_decode, "whole_elf", lambda p: p.exists())
     assert cpu_decode.build() == ("mine", "")
     assert (path / f"{cpu_decode.NAME}.so").read_bytes() == theirs
-    assert list(path.parent.iterdir()) == [path]
+    # ...and its lock, left in place (removing it could let two builds each hold one)
+    assert sorted(path.parent.iterdir()) == [path, path.with_name(f"{path.name}.lock")]
+
+
+def test_engines_building_at_once_build_once(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    """Engines started side by side on a machine without the module: one builds it, the
+    others wait for that build and load its module instead of compiling it again each."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    builds: list[str] = []
+    building = threading.Event()
+
+    def slow_build(**kwargs: object) -> str:
+        builds.append(str(kwargs["build_directory"]))
+        building.set()
+        time.sleep(0.3)  # the others arrive while this one compiles
+        (Path(str(kwargs["build_directory"])) / f"{cpu_decode.NAME}.so").write_bytes(b"so")
+        return "built"
+
+    monkeypatch.setattr(cpp_extension, "load", slow_build)
+    monkeypatch.setattr(cpu_decode, "whole_elf", lambda p: p.exists())
+    monkeypatch.setattr(cpu_decode, "_load_built", lambda p: "loaded" if p.exists() else None)
+    results: list[tuple[object, str]] = []
+    first = threading.Thread(target=lambda: results.append(cpu_decode.build()))
+    first.start()
+    assert building.wait(10)
+    others = [threading.Thread(target=lambda: results.append(cpu_decode.build()))
+              for _ in range(2)]
+    for t in others:
+        t.start()
+    for t in (first, *others):
+        t.join(30)
+    assert len(builds) == 1
+    assert sorted(results, key=str) == [("built", ""), ("loaded", ""), ("loaded", "")]
 
 
 def test_a_kernel_cache_that_cannot_be_a_directory_is_named(

@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.launcher import Stack, _args, build_parser, parse_cpus, stop_tiers
+from pdserve.procs import Proc
+from services.launcher import (
+    Stack,
+    _args,
+    build_parser,
+    calibrates,
+    parse_cpus,
+    start_waves,
+    stop_tiers,
+)
 from tests.e2e.stack import ROOT, UpStack, child_env
 
 
@@ -56,6 +65,32 @@ def _engine_flags(args: list[str]) -> dict[str, list[str]]:
 
 def _flag(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
+
+
+@pytest.mark.parametrize(("args", "waves"), [
+    (["--prefill", "2", "--decode", "1"],
+     [["kvd-p0", "kvd-p1", "kvd-d0"], ["prefill-0", "prefill-1", "decode-0"], ["router"],
+      ["gateway"]]),
+    (["--colocated", "--decode", "2"], [["decode-0", "decode-1"], ["router"], ["gateway"]]),
+    (["--prefill", "1", "--decode", "1", "--embedded-router"],  # it needs the engines only
+     [["kvd-p0", "kvd-d0"], ["prefill-0", "decode-0"], ["router", "gateway"]]),
+    (["--prefill", "1", "--decode", "1", "--controller", "dry-run"],  # they measure themselves
+     [["kvd-p0", "kvd-d0"], ["prefill-0"], ["decode-0"], ["router"], ["gateway"]]),
+])
+def test_the_stack_starts_each_service_once_those_it_names_have(
+        args: list[str], waves: list[list[str]]) -> None:
+    stack = Stack(_args(build_parser().parse_args(args)))
+    stack.redis_url = ""
+    stack.plan()
+    assert [[p.name for p in w] for w in start_waves(stack.procs, stack.address,
+                                                     calibrates)] == waves
+
+
+def test_services_that_name_each_other_are_refused() -> None:
+    a, b = Proc("a", ["python", "-m", "x", "--peer", "<b>"], 0), \
+        Proc("b", ["python", "-m", "x", "--peer", "<a>"], 0)
+    with pytest.raises(RuntimeError, match="services name each other: a, b"):
+        start_waves([a, b], lambda p: f"<{p.name}>")
 
 
 @pytest.mark.parametrize("args", [["--prefill", "2", "--decode", "1"],

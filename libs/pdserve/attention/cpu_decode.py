@@ -33,6 +33,7 @@ carries bfloat16 RMSNorm (with the residual add) and SiLU-and-mul
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -145,12 +146,22 @@ def _build_staged(path: Path, flags: list[str]) -> Any:
     killed half way (an object file cut short, which ninja would link from) never lies where
     engines look, and engines building at once never write the same files. Where another
     engine's build landed first, its module stays and this one's directory goes."""
-    from torch.utils import cpp_extension
-
     if path.parent.exists() and not path.parent.is_dir():
         raise NotADirectoryError(f"the kernel cache {path.parent} is not a directory "
                                  f"({env.KERNEL_CACHE_VAR}, default ~/.cache/pdserve/kernels)")
     path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f"{path.name}.lock"), "a") as lock:
+        # Engines started together (pdserve up starts them side by side): one builds, the
+        # others wait here and load its module. The lock goes with a process that dies.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = path / f"{NAME}.so"
+        module = _load_built(built) if built.is_file() else None
+        return module if module is not None else _build_locked(path, flags)
+
+
+def _build_locked(path: Path, flags: list[str]) -> Any:
+    from torch.utils import cpp_extension
+
     for stage in path.parent.glob(f"{path.name}.build-*"):  # left by builds that were killed
         pid = stage.name.rpartition("-")[2]
         if pid.isdigit() and not pid_alive(int(pid)):
