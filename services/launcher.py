@@ -10,10 +10,11 @@ and its ready line (``pdserve <name> listening on <host>:<port> (metrics on ...)
 got, so start-up never races another process for a port picked in advance. Services start in
 dependency order, side by side where they do not depend on each other (the kvds, then the
 engines, then the router, then the gateway; engines that measure themselves at start one at a
-time), and each one's real address is written into the flags of those started after it. A service that dies is restarted on the port it had,
-so its dependants find it again without a restart of their own; only if that port was taken
-meanwhile is it started on port 0 again, its dependants' flags rewritten and those running
-restarted. A gateway ``--port`` given by the user stays fixed (a taken one is an error).
+time), and each one's real address is written into the flags of those started after it. A
+service that dies is restarted on the port it had, so its dependants find it again without a
+restart of their own; only if that port was taken meanwhile is it started on port 0 again, its
+dependants' flags rewritten and those running restarted. A gateway ``--port`` given by the user
+stays fixed (a taken one is an error).
 Redis is supervised like the services. Ctrl-C (or SIGTERM) stops everything: the gateway, then
 the router, then every engine at once, then every kvd at once, then Redis.
 

@@ -35,6 +35,7 @@ from pdserve.engine.engine import Engine
 from pdserve.models import save_builtin
 from pdserve.models.builtin import BUILTIN_MODELS
 from pdserve.models.loader import weight_bytes
+from pdserve.models.packed import FLOAT32_GEMMS
 from pdserve.sampling_params import SamplingParams
 from pdserve_bench.gemm_ceiling import cpu_features, gemm_step_seconds
 
@@ -69,6 +70,7 @@ class Result:
     # (models/kernels.py).
     decode_attention: str = ""
     elementwise: str = ""
+    float32_gemm: str = "mkl"  # --float32-gemm: whose packed GEMM pdserve's float32 side ran
 
 
 def _prompts(num_seqs: int, prompt_len: int, vocab: int) -> list[list[int]]:
@@ -128,7 +130,8 @@ def run_hf(model: Any, prompts: list[list[int]], new_tokens: int
 
 def bench(concurrencies: list[int], prompt_len: int, new_tokens: int,
           repeats: int = 1, dtype: str = "float32", packed: bool = True,
-          model: str = "bench-50m", native: str = "auto") -> list[Result]:
+          model: str = "bench-50m", native: str = "auto",
+          float32_gemm: str = "mkl") -> list[Result]:
     """Each side runs ``repeats`` times per concurrency, alternating; the best run counts
     (shared machines are noisy; the best run is the least disturbed one). ``model``: a
     built-in name (saved as a Hugging Face directory first) or a Hugging Face directory."""
@@ -146,7 +149,7 @@ def bench(concurrencies: list[int], prompt_len: int, new_tokens: int,
             dtype=dtype, max_num_seqs=max_seqs,
             num_blocks=max_seqs * (-(-context // 16) + 4) + 16,
             max_num_batched_tokens=max(2048, prompt_len * 8), packed_weights=packed,
-            native_kernels=native))
+            native_kernels=native, float32_gemm=float32_gemm))
     vocab = engine.config.vocab_size
     warm = _prompts(2, 16, vocab)
     run_pdserve(engine, warm, 4)
@@ -158,7 +161,8 @@ def bench(concurrencies: list[int], prompt_len: int, new_tokens: int,
     return [replace(_one_concurrency(engine, hf, n, prompt_len, new_tokens, repeats, dtype),
                     packed_weights=packed, weight_mb=round(weight_mb, 1), model=model,
                     prompt_len=prompt_len, threads=torch.get_num_threads(),
-                    decode_attention=attention, elementwise=engine.kernels)
+                    decode_attention=attention, elementwise=engine.kernels,
+                    float32_gemm=float32_gemm)
             for n in concurrencies]
 
 
@@ -224,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--native-kernels", choices=["auto", "on", "off"], default="auto",
                         help="pdserve's C++ CPU kernels: decode attention, and RMSNorm and "
                              "SiLU-and-mul in bfloat16 (attention/cpu_decode.py)")
+    parser.add_argument("--float32-gemm", choices=list(FLOAT32_GEMMS), default="mkl",
+                        help="whose packed GEMM serves pdserve's float32 weights: mkl (bit-"
+                             "identical to transformers' F.linear) or onednn (models/packed.py)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -238,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"({', '.join(BUILTIN_MODELS)})")
     results = [r for dtype in args.dtype
                for r in bench(args.concurrency, args.prompt_len, new_tokens, args.repeats, dtype,
-                              args.packed_weights == "on", args.model, args.native_kernels)]
+                              args.packed_weights == "on", args.model, args.native_kernels,
+                              args.float32_gemm)]
     hardware["load_average_after"] = round(os.getloadavg()[0], 2)
     if args.json:
         for r in results:

@@ -26,6 +26,7 @@ from pdserve.env import (
     redis_url_setting,
     setting,
 )
+from pdserve.models.packed import FLOAT32_GEMMS
 from pdserve.roles import Role
 from pdserve.server import GrpcServiceConfig
 
@@ -71,6 +72,11 @@ class EngineServiceConfig(GrpcServiceConfig):
     packed_weights: bool = setting(
         True, BOOL, "pre-pack the CPU GEMM weights at load: faster decode, but in float32 the "
         "packed copy sits beside the plain weight (several times its size); off = plain only")
+    float32_gemm: str = setting(
+        "mkl", choice_kind(*FLOAT32_GEMMS),
+        "whose packed GEMM serves float32 weights: mkl = bit-identical to transformers' "
+        "F.linear; onednn = not bit-identical (another summation order) but 1.2-1.5x faster "
+        "where MKL does not run its AVX-512 code (an AMD EPYC)")
     decode_mirror_mib: int = setting(
         -1, int_kind(-1),
         "most MiB the CPU decode mirror may hold (a dense copy of the running decode batch's "
@@ -136,6 +142,7 @@ class EngineServiceConfig(GrpcServiceConfig):
                 kv_cache_dtype=self.kv_cache_dtype,
                 device=self.device, gpu_memory_utilization=self.gpu_memory_utilization,
                 cuda_graphs=self.cuda_graphs, packed_weights=self.packed_weights,
+                float32_gemm=self.float32_gemm,
                 decode_mirror_memory_bytes=(None if self.decode_mirror_mib < 0
                                             else self.decode_mirror_mib << 20),
                 native_kernels=self.native_kernels)

@@ -135,3 +135,54 @@ def test_a_bad_packed_weights_value_is_refused_naming_the_flag(
                                        "'maybe' (accepted: true, false, 1, 0, yes, no, on, off)\n")
     with pytest.raises(ValueError, match="packed_weights must be a bool, got 'off'"):
         EngineArgs(packed_weights="off")  # type: ignore[arg-type]
+
+
+NEEDS_ONEDNN_FP32 = pytest.mark.skipif(
+    pack_kind(torch.zeros(2, 2), "onednn") != "onednn", reason="no oneDNN in this torch")
+
+
+@NEEDS_ONEDNN_FP32
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+def test_float32_on_onednn_is_f_linear_up_to_summation_order(rows: int) -> None:
+    """--float32-gemm onednn: any rows, within float32 rounding of F.linear (not bit-equal:
+    another summation order), and the plain weight is not kept beside the packed one."""
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    packed = pack(weight, "onednn")
+    assert packed is not None and packed.kind == "onednn" and packed.release_plain
+    x = torch.randn(rows, 64, generator=g)
+    torch.testing.assert_close(packed.linear(x, bias), F.linear(x, weight, bias),
+                               rtol=1e-5, atol=1e-4)
+    assert pack_kind(weight) == pack_kind(weight, "mkl")  # the default is unchanged
+
+
+@NEEDS_ONEDNN_FP32
+def test_an_engine_on_onednn_float32_weights_decodes_the_same_greedy_tokens() -> None:
+    """The tiny seeded model, a decode batch of the packed row count: the same tokens as the
+    default (MKL) engine; its packed weights are the only copy."""
+    prompts = random_prompts([5 + i % 7 for i in range(PACK_BATCH_SIZE)], seed=3)
+    outputs = []
+    for gemm in ("mkl", "onednn"):
+        args = EngineArgs(max_num_seqs=PACK_BATCH_SIZE, dtype="float32", float32_gemm=gemm)
+        engine = Engine.from_model("tiny", args)
+        linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+        assert {m.packed.kind for m in linears if m.packed} == {gemm}
+        assert all((m.weight.device.type == "meta") == (gemm == "onednn") for m in linears)
+        outputs.append(run_all(engine, prompts, check_every_step=False)[0])
+    assert outputs[0] == outputs[1]
+
+
+def test_the_float32_gemm_flag_reaches_the_engine_and_a_bad_one_is_named(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = DecodeConfig.from_argv(["--role", "colocated", "--float32-gemm", "onednn"],
+                                 environ={})
+    assert cfg.engine_args().float32_gemm == "onednn"
+    assert DecodeConfig(role="colocated").engine_args().float32_gemm == "mkl"
+    with pytest.raises(SystemExit) as exit_info:
+        DecodeConfig.from_argv(["--role", "colocated", "--float32-gemm", "blas"], environ={})
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("pdserve decode: error: --float32-gemm: invalid value "
+                                       "'blas' (accepted: mkl, onednn)\n")
+    with pytest.raises(ValueError, match=r"float32_gemm must be one of \('mkl', 'onednn'\), "
+                                         r"got 'blas'"):
+        EngineArgs(float32_gemm="blas")

@@ -10,6 +10,7 @@ import torch
 from pdserve.attention import BACKENDS
 from pdserve.attention.cpu_decode import MODES as NATIVE_MODES
 from pdserve.attention.kv_quant import KV_CACHE_DTYPES
+from pdserve.models.packed import FLOAT32_GEMMS
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
@@ -50,13 +51,15 @@ class EngineArgs:
     (the model's dtype), "fp8" (e4m3) or "int8", quantized with per-token per-head scales
     (attention/kv_quant.py). packed_weights: pre-pack the CPU GEMM weights at load
     (models/packed.py; faster decode, more weight memory in float32); False keeps only the
-    plain weights. decode_mirror_memory_bytes: the most the torch backend's decode mirror (a
-    dense copy of a running decode batch's K/V, attention/decode_mirror.py; CPU only) may
-    hold; None = as much as the KV cache itself (so K/V memory is at most twice the cache),
-    at most 1 GiB; 0 = no mirror. native_kernels: pdserve's C++ CPU kernels
-    (attention/cpu_decode.py, built at first use): the decode attention, and in bfloat16 the
-    RMSNorm and SiLU-and-mul; "auto" where the CPU and a C++ compiler allow, else torch's ops;
-    "on" fails instead; "off" is torch's ops."""
+    plain weights. float32_gemm: whose packed GEMM serves float32 weights: "mkl" (bit-identical
+    to ``F.linear``, so to transformers) or "onednn" (not bit-identical; faster where MKL does
+    not run its AVX-512 code, an AMD EPYC). decode_mirror_memory_bytes: the most the torch
+    backend's decode mirror (a dense copy of a running decode batch's K/V,
+    attention/decode_mirror.py; CPU only) may hold; None = as much as the KV cache itself (so
+    K/V memory is at most twice the cache), at most 1 GiB; 0 = no mirror. native_kernels:
+    pdserve's C++ CPU kernels (attention/cpu_decode.py, built at first use): the decode
+    attention, and in bfloat16 the RMSNorm and SiLU-and-mul; "auto" where the CPU and a C++
+    compiler allow, else torch's ops; "on" fails instead; "off" is torch's ops."""
 
     block_size: int = 16
     num_blocks: int | None = None
@@ -72,6 +75,7 @@ class EngineArgs:
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     packed_weights: bool = True
+    float32_gemm: str = "mkl"
     decode_mirror_memory_bytes: int | None = None
     native_kernels: str = "auto"
     seed: int = 0
@@ -105,6 +109,9 @@ class EngineArgs:
         if self.native_kernels not in NATIVE_MODES:
             raise ValueError(f"native_kernels must be one of {NATIVE_MODES}, "
                              f"got {self.native_kernels!r}")
+        if self.float32_gemm not in FLOAT32_GEMMS:
+            raise ValueError(f"float32_gemm must be one of {FLOAT32_GEMMS}, "
+                             f"got {self.float32_gemm!r}")
         if not isinstance(self.packed_weights, bool):
             raise ValueError(f"packed_weights must be a bool, got {self.packed_weights!r}")
         check_device(self.device)

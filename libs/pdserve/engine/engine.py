@@ -73,7 +73,8 @@ class Engine:
 
         args = args or EngineArgs()
         return cls(load_model(model, dtype=args.dtype, device=args.device,
-                              packed_weights=args.packed_weights), args)
+                              packed_weights=args.packed_weights,
+                              float32_gemm=args.float32_gemm), args)
 
     # -- requests -------------------------------------------------------------------------
 

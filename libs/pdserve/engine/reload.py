@@ -72,7 +72,8 @@ def prepare_weights(source: str, engine: Engine) -> LoadedModel:
         raise BadRequest("model must not be empty: give a checkpoint directory")
     try:
         lm = load_model(source, dtype=engine.args.dtype, device=engine.device,
-                        packed_weights=engine.args.packed_weights)
+                        packed_weights=engine.args.packed_weights,
+                        float32_gemm=engine.args.float32_gemm)
     except (OSError, ValueError, KeyError) as exc:  # missing files, bad config, wrong tensors
         raise BadRequest(f"model: cannot load {source!r}: {exc}") from exc
     check_same_architecture(engine.config, lm.config, source)

@@ -33,19 +33,21 @@ class LoadedModel:
 
 def load_model(
     source: str, dtype: str = "auto", device: str | torch.device = "cpu",
-    packed_weights: bool = True,
+    packed_weights: bool = True, float32_gemm: str = "mkl",
 ) -> LoadedModel:
     """``source``: a built-in (``tiny``, ``tiny-moe``, ``bench-50m``, optionally ``@<seed>``)
     or a local Hugging Face directory. ``dtype``: auto | float32 | bfloat16 | float16.
     ``packed_weights``: on CPU, pre-pack the GEMM weights (``packed.py``: faster decode, more
-    weight memory); False keeps only the plain weights."""
+    weight memory); False keeps only the plain weights. ``float32_gemm``: which library's
+    packed GEMM serves float32 weights (``packed.FLOAT32_GEMMS``)."""
     parsed = builtin.parse_builtin(source)
     if parsed is not None:
         return _load_builtin(*parsed, dtype=dtype, device=torch.device(device),
-                             packed=packed_weights)
+                             packed=packed_weights, float32_gemm=float32_gemm)
     path = Path(source)
     if path.is_dir():
-        return _load_dir(path, dtype=dtype, device=torch.device(device), packed=packed_weights)
+        return _load_dir(path, dtype=dtype, device=torch.device(device), packed=packed_weights,
+                         float32_gemm=float32_gemm)
     if path.exists():
         raise ValueError(f"model source {source!r} is a file; give a model directory")
     if "/" in source or source.startswith("."):
@@ -57,7 +59,8 @@ def load_model(
 
 
 def _build(config: ModelConfig, device: torch.device,
-           weights: Iterable[tuple[str, torch.Tensor]], packed: bool = True) -> CausalLM:
+           weights: Iterable[tuple[str, torch.Tensor]], packed: bool = True,
+           float32_gemm: str = "mkl") -> CausalLM:
     # Meta first, so no memory is touched until the real weights arrive.
     with torch.device("meta"):
         model = DecoderLM(config)
@@ -65,11 +68,11 @@ def _build(config: ModelConfig, device: torch.device,
     with torch.no_grad():
         model.load_weights(weights)
         if device.type == "cpu":
-            _pack_linears(model, packed)
+            _pack_linears(model, packed, float32_gemm)
     return model.eval()
 
 
-def _pack_linears(model: torch.nn.Module, packed: bool) -> None:
+def _pack_linears(model: torch.nn.Module, packed: bool, float32_gemm: str = "mkl") -> None:
     """Pre-pack every ``Linear`` weight (and the LM head) for the CPU GEMM (``packed.py``),
     freeing the plain weight where the packed GEMM never reads it (bfloat16): the parameter
     becomes a meta tensor of the same shape, so reading its values fails loudly.
@@ -83,7 +86,7 @@ def _pack_linears(model: torch.nn.Module, packed: bool) -> None:
 
     for module in model.modules():
         if isinstance(module, Linear):
-            module.packed = pack(module.weight.data) if packed else None
+            module.packed = pack(module.weight.data, float32_gemm) if packed else None
             if module.packed is None:
                 if column_major_pays(module.weight.dtype):
                     module.weight.data = module.weight.data.t().contiguous().t()
@@ -91,7 +94,8 @@ def _pack_linears(model: torch.nn.Module, packed: bool) -> None:
                 module.weight = _meta_like(module.weight)
     if isinstance(model, DecoderLM) and packed:
         model.lm_head_packed = pack(
-            model.embed_tokens.data if model.lm_head is None else model.lm_head.data)
+            model.embed_tokens.data if model.lm_head is None else model.lm_head.data,
+            float32_gemm)
         head = model.lm_head_packed
         if model.lm_head is not None and head is not None and head.release_plain:
             model.lm_head = _meta_like(model.lm_head)
@@ -115,14 +119,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def _load_builtin(name: str, seed: int, dtype: str, device: torch.device,
-                  packed: bool) -> LoadedModel:
+                  packed: bool, float32_gemm: str = "mkl") -> LoadedModel:
     cfg = builtin.hf_config(name)
     tokenizer = builtin_tokenizer()
     config = parse_hf_config(
         cfg, dtype=resolve_dtype(dtype, cfg, device), eos_token_ids=tokenizer.eos_token_ids,
         fingerprint=builtin.fingerprint(name, seed),
     )
-    model = _build(config, device, builtin.iter_weights(name, seed), packed)
+    model = _build(config, device, builtin.iter_weights(name, seed), packed, float32_gemm)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer,
                        version=config.fingerprint)
 
@@ -140,7 +144,8 @@ def _iter_files(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                     bar.update(tensor.numel() * tensor.element_size())
 
 
-def _load_dir(path: Path, dtype: str, device: torch.device, packed: bool) -> LoadedModel:
+def _load_dir(path: Path, dtype: str, device: torch.device, packed: bool,
+              float32_gemm: str = "mkl") -> LoadedModel:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"config.json not found in {path}")
@@ -157,5 +162,5 @@ def _load_dir(path: Path, dtype: str, device: torch.device, packed: bool) -> Loa
         cfg, dtype=resolve_dtype(dtype, cfg, device), eos_token_ids=tuple(eos),
         fingerprint=fingerprint(config_text, files, version),
     )
-    model = _build(config, device, _iter_files(files), packed)
+    model = _build(config, device, _iter_files(files), packed, float32_gemm)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, version=version)

@@ -61,10 +61,19 @@ class PackedWeight:
             x, self.packed, bias, "none", [], "")
 
 
-def pack_kind(weight: torch.Tensor) -> str | None:
-    """Which packed GEMM serves this weight here (None: plain ``F.linear``)."""
+FLOAT32_GEMMS = ("mkl", "onednn")
+
+
+def pack_kind(weight: torch.Tensor, float32_gemm: str = "mkl") -> str | None:
+    """Which packed GEMM serves this weight here (None: plain ``F.linear``). ``float32_gemm``
+    "onednn" packs float32 weights for oneDNN instead of MKL: not bit-identical to
+    ``F.linear`` (different summation order), but 1.2-1.5x faster on an AMD EPYC, where MKL
+    does not run its AVX-512 code (docs/benchmarks.md)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
+    if weight.dtype == torch.float32 and float32_gemm == "onednn" \
+            and torch.backends.mkldnn.is_available():
+        return "onednn"
     if weight.dtype == torch.float32 and torch.backends.mkl.is_available():
         return "mkl"
     if weight.dtype == torch.bfloat16 and onednn_bf16_supported():
@@ -89,9 +98,9 @@ def column_major_pays(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or onednn_bf16_supported()
 
 
-def pack(weight: torch.Tensor) -> PackedWeight | None:
+def pack(weight: torch.Tensor, float32_gemm: str = "mkl") -> PackedWeight | None:
     """A packed copy of ``weight`` [out, in], or None where no packed GEMM applies."""
-    kind = pack_kind(weight)
+    kind = pack_kind(weight, float32_gemm)
     if kind is None:
         return None
     weight = weight.detach().contiguous()
