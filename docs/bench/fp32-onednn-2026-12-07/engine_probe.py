@@ -2,23 +2,28 @@
 linear, same engine code otherwise (measured 2026-12-07, not taken): bench-50m, 32 sequences
 of 128 random prompt tokens, 32 greedy tokens each, one torch thread. Each side's tokens are
 compared with transformers' greedy ``generate`` on the same weights, and the decode step is
-timed with the two engines in turns (best of 3 rounds). oneDNN is selected by patching
-``packed.pack_kind`` before the second engine loads.
+timed with the two engines in turns (best of 3 rounds). oneDNN is selected with
+``EngineArgs.float32_gemm`` (the first run, on bench-50m, patched ``packed.pack_kind`` before
+that option existed: the same packing).
 
-    .venv/bin/python docs/bench/fp32-onednn-2026-12-07/engine_probe.py
+    .venv/bin/python docs/bench/fp32-onednn-2026-12-07/engine_probe.py [MODEL_DIR]
+
+With a Hugging Face directory (e.g. SmolLM2-135M-Instruct) that model is used instead.
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 import transformers
 
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
-from pdserve.models import packed, save_builtin
+from pdserve.models import save_builtin
 from pdserve.sampling_params import SamplingParams
 
 N, PROMPT, NEW = 32, 128, 32
@@ -46,15 +51,15 @@ def run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], floa
 def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        save_builtin("bench-50m", tmp)
+        if len(sys.argv) > 1:
+            tmp = sys.argv[1]
+        else:
+            save_builtin("bench-50m", tmp)
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
         args = EngineArgs(dtype="float32", max_num_seqs=N, num_blocks=N * 14 + 16,
                           max_num_batched_tokens=2048)
         mkl = Engine.from_model(tmp, args)
-        plain = packed.pack_kind
-        packed.pack_kind = lambda w: "onednn" if plain(w) == "mkl" else plain(w)  # type: ignore[assignment]
-        onednn = Engine.from_model(tmp, args)
-        packed.pack_kind = plain  # type: ignore[assignment]
+        onednn = Engine.from_model(tmp, replace(args, float32_gemm="onednn"))
     g = torch.Generator().manual_seed(N)
     prompts = torch.randint(2, mkl.config.vocab_size, (N, PROMPT), generator=g).tolist()
     with torch.inference_mode():
