@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{args.model}, {torch.get_num_threads()} threads, prompt {args.prompt_len} tokens, "
               f"{new_tokens} new tokens, best of {args.repeats}, packed weights "
-              f"{args.packed_weights}, weights MB {({r.dtype: r.weight_mb for r in results})}, "
+              f"{args.packed_weights} (float32 on {args.float32_gemm}), "
+              f"weights MB {({r.dtype: r.weight_mb for r in results})}, "
               f"decode attention {({r.dtype: r.decode_attention for r in results})}, "
               f"elementwise {({r.dtype: r.elementwise for r in results})}")
         print("hardware: " + ", ".join(f"{k}={v}" for k, v in hardware.items()))

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from pdserve.engine.config import EngineArgs
 from pdserve.engine.engine import Engine
+from pdserve.engine.setup import packed_gemms
 from pdserve.models import load_model
 from pdserve.models.decoder import DecoderLM
 from pdserve.models.layers import Linear
@@ -167,6 +168,7 @@ def test_an_engine_on_onednn_float32_weights_decodes_the_same_greedy_tokens() ->
         engine = Engine.from_model("tiny", args)
         linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
         assert {m.packed.kind for m in linears if m.packed} == {gemm}
+        assert packed_gemms(engine.runner.model) == gemm  # what the engine's start-up logs
         assert all((m.weight.device.type == "meta") == (gemm == "onednn") for m in linears)
         outputs.append(run_all(engine, prompts, check_every_step=False)[0])
     assert outputs[0] == outputs[1]

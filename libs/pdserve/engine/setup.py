@@ -78,7 +78,8 @@ def build_parts(lm: LoadedModel, args: EngineArgs, max_model_len: int) -> Engine
         log.info("KV memory", extra={"fields": {
             "num_blocks": num_blocks, "cache_mib": round(num_blocks * per_block / 2**20, 1),
             "decode_mirror_max_mib": round(backend.mirror.max_bytes / 2**20, 1),
-            "decode_attention": "native" if backend.native else "sdpa"}})
+            "decode_attention": "native" if backend.native else "sdpa",
+            "packed_gemm": packed_gemms(lm.model)}})
     cache.unit_scales = quant is not None and isinstance(backend, FlashInferBackend)
     graphs = None
     if use_graphs and isinstance(backend, FlashInferBackend):
@@ -86,6 +87,15 @@ def build_parts(lm: LoadedModel, args: EngineArgs, max_model_len: int) -> Engine
                                           scratch_page=num_blocks,
                                           num_pages=num_blocks + 1, device=device))
     return EngineParts(device, num_blocks, cache, backend, graphs, kernels)
+
+
+def packed_gemms(model: torch.nn.Module) -> str:
+    """Whose packed GEMMs the model's projections run (``models/packed.py``: "mkl",
+    "onednn", both), or "none"."""
+    from pdserve.models.layers import Linear
+
+    kinds = {m.packed.kind for m in model.modules() if isinstance(m, Linear) and m.packed}
+    return ",".join(sorted(kinds)) or "none"
 
 
 @torch.inference_mode()
