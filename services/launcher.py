@@ -291,20 +291,23 @@ class Stack:
         self._start_redis()
         self.plan()
         for wave in start_waves(self.procs, self.address, calibrates):
-            for proc in wave:  # spawned on this thread (the parent-death signal is per thread)
-                proc.start(proc.env)
-                self.started_at[proc.name] = time.monotonic()
-            self._write_pidfile()
-            for proc in wave:  # they start side by side; their ready lines, in order
-                self._bound(proc, proc.wait_ready(self.ns.ready_timeout))
+            self._start_wave(wave)
+            for proc in wave:
                 print(f"  {proc.name:12s} {self.ns.host}:{proc.port}", flush=True)
 
     def _start_one(self, proc: Proc) -> None:
         """Start ``proc`` and wait for its ready line, which names the port it bound."""
-        proc.start(proc.env)
-        self.started_at[proc.name] = time.monotonic()
+        self._start_wave([proc])
+
+    def _start_wave(self, wave: list[Proc]) -> None:
+        """Start every service of ``wave`` (on this thread: the parent-death signal is per
+        thread), then wait for their ready lines in order, each naming the port it bound."""
+        for proc in wave:
+            proc.start(proc.env)
+            self.started_at[proc.name] = time.monotonic()
         self._write_pidfile()
-        self._bound(proc, proc.wait_ready(self.ns.ready_timeout))
+        for proc in wave:
+            self._bound(proc, proc.wait_ready(self.ns.ready_timeout))
 
     def _bound(self, proc: Proc, port: int) -> list[Proc]:
         """``proc`` listens on ``port``: its own ``--port`` keeps it (a restart rebinds it), and
@@ -462,11 +465,11 @@ def stop_tiers(procs: list[Proc]) -> list[list[Proc]]:
     """``procs`` (in start order: each engine after its kvd, then the router, the gateway) in
     the order they stop: one tier each for the gateway and the router, one for the engines,
     one for the kvds; anything else after the front door, one by one, as started in reverse."""
-    kind = {p.name: p.args[2].removeprefix("services.") if len(p.args) > 2 else ""
-            for p in procs}
-    front = [[p] for p in reversed(procs) if kind[p.name] in ("gateway", "router")]
-    engines = [p for p in reversed(procs) if f"services.{kind[p.name]}" in ENGINE_MODULES]
-    kvds = [p for p in reversed(procs) if kind[p.name] == "kvd"]
+    module = {p.name: p.args[2] if len(p.args) > 2 else "" for p in procs}  # _module's
+    front = [[p] for p in reversed(procs)
+             if module[p.name] in ("services.gateway", "services.router")]
+    engines = [p for p in reversed(procs) if module[p.name] in ENGINE_MODULES]
+    kvds = [p for p in reversed(procs) if module[p.name] == "services.kvd"]
     known = {id(p) for tier in (*front, engines, kvds) for p in tier}
     others = [[p] for p in reversed(procs) if id(p) not in known]
     return [t for t in (*front, *others, engines, kvds) if t]

@@ -93,10 +93,10 @@ def compiler() -> str:
     return os.environ.get("CXX", "c++")
 
 
-def cflags(cxx: str | None = None) -> list[str]:
-    """The flags for ``cxx`` (default ``compiler()``): ``CLANG_CFLAGS`` where it says it is
-    clang, else ``CFLAGS`` (GCC, or a compiler that cannot be asked: the build says why)."""
-    return _cflags(cxx or compiler())
+def cflags() -> list[str]:
+    """The flags for ``compiler()``: ``CLANG_CFLAGS`` where it says it is clang, else
+    ``CFLAGS`` (GCC, or a compiler that cannot be asked: the build says why)."""
+    return _cflags(compiler())
 
 
 @functools.cache
