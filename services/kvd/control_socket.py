@@ -92,6 +92,10 @@ class ControlSocket:
                 return
             writer.write(frame(kvd_pb2.ControlResponse(id=0)))
             while (req := await read_frame(reader, kvd_pb2.ControlRequest)) is not None:
+                now = control.answer_now(self.kvd, req)
+                if now is not None:
+                    writer.write(frame(now))
+                    continue
                 answer = asyncio.ensure_future(self._answer(req, writer))
                 answers.add(answer)
                 answer.add_done_callback(answers.discard)

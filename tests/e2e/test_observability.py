@@ -88,7 +88,8 @@ def test_one_request_is_one_trace_across_the_five_services(
         mine = [(svc, s) for svc, s in spans if s.trace_id == root.trace_id]
         names = {s.name for _, s in mine}
         needed = {"Router.Generate", "Prefill.Prefill", "Decode.Decode", "Kvd.Commit",
-                  "Kvd.Await", "Kvd.Transfer", "kvd.send", "kvd.receive"}
+                  "Kvd.Await", "Kvd.Transfer", "kvd.send", "kvd.receive", "Kvd.Allocate",
+                  "Kvd.Release"}
         return {"spans": mine} if needed <= names else None
 
     found = wait_until(trace_of_request, timeout=45, interval=0.5)
@@ -112,6 +113,10 @@ def test_one_request_is_one_trace_across_the_five_services(
     assert parents("kvd.send") == {"Kvd.Commit"}
     assert parents("Kvd.Transfer") == {"Kvd.Commit"}  # on the decode node, pushed to
     assert parents("Kvd.Await") == {"Decode.Decode"}
+    # answered as they are read (no task of their own), in the caller's trace all the same;
+    # the decode's Release goes out after its copy, not waited for, still under its request
+    assert "Prefill.Prefill" in parents("Kvd.Allocate")
+    assert parents("Kvd.Release") == {"Decode.Decode"}
     send = next(s for _, s in spans if s.name == "kvd.send")
     attrs = {a.key: a.value.int_value for a in send.attributes}
     assert attrs["pdserve.kvd.blocks"] > 0 and attrs["pdserve.kvd.bytes"] > 0

@@ -118,7 +118,8 @@ class _Multiplexed:
         try:
             async with self._write:
                 await self._send(req)
-            resp = await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):
+                resp = await fut
         except TimeoutError:
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except _Ended as exc:
