@@ -105,6 +105,7 @@ class EngineInstance:
         if self.kvd_link is not None:
             await self.kvd_link.stop()
         if self.bridge is not None:
+            await self.bridge.drain()  # readers' Releases sent in the background
             if self.bridge.staging is not None:
                 self.bridge.staging.close()  # unregister the pool before it is unmapped
             await self.bridge.client.close()

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from pdserve.hashing import block_checksum
@@ -136,3 +138,62 @@ async def test_fresh_prefill_loads_the_prefix_from_kvd() -> None:
         assert all(b.checksum for b in resp.blocks)  # loaded blocks get their checksum too
         await assert_idle(fresh)
     assert kvd.pins == {}
+
+
+class SlowReleaseKvd(LoopbackKvd):
+    """A kvd whose Release is answered only when ``answer`` is set, or fails with ``error``."""
+
+    def __init__(self, *args: Any, error: Exception | None = None) -> None:
+        super().__init__(*args)
+        self.answer = asyncio.Event()
+        self.error = error
+        self.num_asked = 0
+
+    async def release(self, pin_ids: Sequence[int]) -> None:
+        self.num_asked += 1
+        await self.answer.wait()
+        if self.error is not None:
+            raise self.error
+        await super().release(pin_ids)
+
+
+def _slow(error: Exception | None = None) -> SlowReleaseKvd:
+    eng = engine()
+    return SlowReleaseKvd(64, eng.cache.block_shape, eng.config.dtype, error=error)
+
+
+async def _hand_over(kvd: LoopbackKvd, tag: str) -> None:
+    """Prefill a 40-token prompt (2 full blocks) into ``kvd``, decode it on another engine,
+    and leave the decode instance's bridge with whatever it still waits for."""
+    prompt = [(11 * i) % 250 + 2 for i in range(40)]
+    dest = common_pb2.KvdEndpoint(node_id="b", address="127.0.0.1:2")
+    async with serve(EngineServiceConfig(role="prefill", num_blocks=64),
+                     engine("tiny", 64, f"{tag}-p"), kvd) as p:
+        first = await p.prefill(f"{tag}-1", prompt, 6, destination=dest)
+    d_cfg = EngineServiceConfig(role="decode", num_blocks=64)
+    async with serve(d_cfg, engine("tiny", 64, f"{tag}-d"), kvd) as d:
+        chunks = await d.decode(f"{tag}-1", prompt, 6, prefilled=first)
+        # the answer streamed while the reader's Release was not answered yet
+        assert [first.first_token_id, *tokens_of(chunks)] == expected(prompt, 6)
+        assert isinstance(kvd, SlowReleaseKvd) and kvd.num_asked == 1
+        assert len(kvd.pins) == 2  # the decode's two read pins, on their way back
+        assert d.instance is not None and d.instance.bridge is not None
+        assert d.instance.bridge._releasing  # noqa: SLF001 - what stop() drains
+        kvd.answer.set()  # serve's exit stops the instance, which drains the Release
+
+
+async def test_a_decode_does_not_wait_for_the_kvd_to_answer_its_release() -> None:
+    kvd = _slow()
+    await _hand_over(kvd, "slow-release")
+    assert kvd.pins == {}
+
+
+async def test_a_release_that_fails_in_the_background_is_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    kvd = _slow(error=RuntimeError("kvd went away"))
+    with caplog.at_level(logging.WARNING, logger="pdserve.kvd.bridge"):
+        await _hand_over(kvd, "failed-release")
+    failed = [r for r in caplog.records if r.getMessage().startswith("kvd release failed")]
+    assert len(failed) == 1
+    assert failed[0].fields == {"error": "kvd went away", "num_pins": 2}  # type: ignore[attr-defined]
+    assert len(kvd.pins) == 2  # never released here: the kvd's lease frees them

@@ -1,9 +1,11 @@
-"""Units of the engine services: the throughput window,
-the engine thread under concurrent adds/aborts, and registration in Redis."""
+"""Units of the engine services: the throughput window, the engine thread under concurrent
+adds/aborts and its inline calls, and registration in Redis."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -55,6 +57,77 @@ async def test_engine_thread_serves_concurrent_adds_and_aborts() -> None:
     finally:
         await aeng.close()
     eng.check_integrity()
+
+
+async def test_an_inline_call_runs_at_once_on_a_parked_engine_and_never_beside_a_step(
+        ) -> None:
+    eng = engine("tiny", 64, "inline")
+    aeng = AsyncEngine(eng)
+    aeng.start()
+    here = threading.get_ident()
+    stepping = threading.Event()  # set while a step runs
+    plain_step = eng.step
+
+    def step() -> Any:
+        stepping.set()
+        try:
+            return plain_step()
+        finally:
+            stepping.clear()
+
+    eng.step = step  # type: ignore[method-assign]
+    try:
+        await asyncio.sleep(0.05)  # the engine thread parks: nothing to do
+        where = await aeng.call(lambda e: threading.get_ident(), inline=True)
+        assert where == here  # no hand-off to the engine thread and back
+        assert await aeng.call(lambda e: threading.get_ident()) != here  # not asked: queued
+        # Decoding: an inline call may run between two steps, never inside one.
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        stream = await aeng.add_request("busy", [3, 4, 5, 6], params)
+
+        async def consume() -> list[Any]:
+            return [o async for o in stream]
+
+        done = asyncio.ensure_future(consume())
+        seen = []
+        while not done.done():
+            seen.append(await aeng.call(lambda e: stepping.is_set(), inline=True))
+            await asyncio.sleep(0.0005)  # let the steps run: calls land all through them
+        await done
+        assert len(seen) > 20 and not any(seen)
+        assert aeng.num_streams == 0
+    finally:
+        await aeng.close()
+    eng.check_integrity()
+
+
+async def test_an_inline_call_keeps_its_place_behind_queued_commands() -> None:
+    aeng = AsyncEngine(engine("tiny", 64, "inline-order"))
+    aeng.start()
+    order: list[str] = []
+    try:
+        await asyncio.sleep(0.05)  # parked
+        aeng._commands.put(lambda: order.append("queued first"))  # noqa: SLF001 - not woken yet
+        await aeng.call(lambda e: order.append("inline"), inline=True)
+        assert order == ["queued first", "inline"]
+    finally:
+        await aeng.close()
+
+
+async def test_an_inline_add_is_stepped_by_the_engine_thread() -> None:
+    """A request added on the caller's thread still wakes the parked engine thread."""
+    aeng = AsyncEngine(engine("tiny", 64, "inline-add"))
+    aeng.start()
+    try:
+        await asyncio.sleep(0.05)
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        stream = await aeng.add_request("woken", [3, 4, 5, 6], params)
+        async with asyncio.timeout(10):
+            outs = [o async for o in stream]
+        assert sum(len(o.new_token_ids) for o in outs) == 5
+        assert outs[-1].finish_reason == "length"
+    finally:
+        await aeng.close()
 
 
 async def test_colocated_instance_registers_and_deregisters(redis_url: str) -> None:
