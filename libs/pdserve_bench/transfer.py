@@ -8,11 +8,17 @@ dims x 2 bytes), the same bytes moved by:
   (b) kvd     -- kvd A -> kvd B, from Commit with push until every block is present at B;
   (c) grpc    -- a plain gRPC byte stream (1 MiB messages) between two processes;
   (d) e2e     -- the engine path: write slots on A (each block checksummed right after its
-                 copy), Commit+push, Await on B, read, Release.
+                 copy), Commit+push, Await on B, read; the Release is sent, and answered
+                 off the clock, as a decode engine sends it.
 (b) and (d) run on two pairs of real kvd processes: one pair takes the same-host path (the
 receiver copies from the sender's mapped pool, the default), the other is held to UCX
 (``--same-host false``; the ``_ucx`` columns). A gRPC sink process serves (c); all on
 loopback. ``--quick`` uses batches of 1, 16 and 64 blocks and fewer repetitions.
+
+Then one block through the engines' own code (``transfer_engines``): two real engines (the
+``tiny`` built-in) and their kvd bridges over a same-host kvd pair, the prefill's export and
+the decode's receive as the instances run them (the engine-thread copies included): the
+``engines`` line of the text and the ``transfer_engines`` JSON line.
 
 ``--kv-dtypes`` instead moves SmolLM2-135M's block (30 layers, 3 KV heads, head_dim 64, 16
 tokens: 737,280 bytes in float32, 368,640 in bfloat16, 195,840 in fp8/int8 with their scales)
@@ -39,6 +45,7 @@ import torch
 from pdserve.kvd.client import KvdClient
 from pdserve.kvd.layout import BlockLayout
 from pdserve.proto.v1 import common_pb2
+from pdserve_bench.transfer_engines import MODEL, engines_one_block
 from pdserve_bench.transfer_kvds import (
     LAYOUT,
     MIB,
@@ -204,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2-core host, 40x slower copies).
     torch.set_num_threads(1)
     rows = asyncio.run(_run(sizes, args.quick))
+    engines = asyncio.run(engines_one_block(30 if args.quick else 100))
     cols = ("memcpy", "grpc", "kvd", "kvd_ucx", "e2e", "e2e_stream", "e2e_ucx")
     print(f"{'batch':>8} " + " ".join(f"{c:>10}" for c in cols)
           + f" {'kvd lat':>9} {'e2e lat':>9} {'stream lat':>10} {'e2e/memcpy':>10}"
@@ -218,9 +226,15 @@ def main(argv: list[str] | None = None) -> int:
           "e2e = the engine path, write on A -> read on B, the engines' calls on the kvds' "
           "control sockets; e2e_stream = the same kvds, the calls on the gRPC Control stream; "
           "_ucx = kvds held to UCX)")
+    print(f"engines: one {engines['engines_block_bytes'] // 1024} KiB block of the "
+          f"{MODEL} model, prefill export -> decode receive: "
+          f"{engines['engines_block_ms']:.2f} ms median (min "
+          f"{engines['engines_block_min_ms']:.2f}; export {engines['engines_export_ms']:.2f}, "
+          f"receive {engines['engines_receive_ms']:.2f}; {engines['engines_reps']} reps)")
     if args.json:
         for r in rows:
             print(json.dumps(r))
+        print(json.dumps({"bench": "transfer_engines", "model": MODEL, **engines}))
     return 0
 
 
