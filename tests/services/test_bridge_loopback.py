@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from pdserve.hashing import block_checksum
+from pdserve.kvd.bridge import INLINE_COPY_BYTES
 from pdserve.kvd.client import CommitEntry, Pin
 from pdserve.proto.v1 import common_pb2
 from services.engine.config import EngineServiceConfig
@@ -32,6 +34,8 @@ class LoopbackKvd:
         self._ids = itertools.count(1)
         self.num_commits = 0
         self.destinations: list[str] = []
+        # what the bridge reads of the registered pool: a slot's size
+        self.info = SimpleNamespace(slot_bytes=self.data[0].numel() * self.data.element_size())
 
     async def register(self, layout: Any) -> Any:
         return SimpleNamespace(node_id="loop", epoch=1)
@@ -197,3 +201,43 @@ async def test_a_release_that_fails_in_the_background_is_logged(
     assert len(failed) == 1
     assert failed[0].fields == {"error": "kvd went away", "num_pins": 2}  # type: ignore[attr-defined]
     assert len(kvd.pins) == 2  # never released here: the kvd's lease frees them
+
+
+async def _import_threads(label: str, slot_bytes: int | None) -> list[int]:
+    """Hand a two-block prompt over through a loopback kvd whose slots are ``slot_bytes``
+    long (the tiny model's own if None); the threads the decode engine's imports ran on."""
+    kvd = _kvd()
+    if slot_bytes is not None:
+        kvd.info.slot_bytes = slot_bytes
+    prompt = [(7 * i) % 250 + 2 for i in range(40)]  # two full blocks
+    dest = common_pb2.KvdEndpoint(node_id="b", address="127.0.0.1:2")
+    async with serve(EngineServiceConfig(role="prefill", num_blocks=64),
+                     engine("tiny", 64, f"inline-{label}-p"), kvd) as p:
+        first = await p.prefill(f"{label}-1", prompt, 4, destination=dest)
+    eng = engine("tiny", 64, f"inline-{label}-d")
+    plain, threads = eng.import_blocks, []
+
+    def import_blocks(*args: Any, **kwargs: Any) -> int:
+        threads.append(threading.get_ident())
+        return plain(*args, **kwargs)
+
+    eng.import_blocks = import_blocks  # type: ignore[method-assign]
+    try:
+        async with serve(EngineServiceConfig(role="decode", num_blocks=64), eng, kvd) as d:
+            await asyncio.sleep(0.05)  # the engine thread parks
+            chunks = await d.decode(f"{label}-1", prompt, 4, prefilled=first)
+            assert [first.first_token_id, *tokens_of(chunks)] == expected(prompt, 4)
+    finally:
+        eng.import_blocks = plain  # type: ignore[method-assign]
+    return threads
+
+
+async def test_a_small_copy_runs_on_the_callers_thread_and_a_large_one_on_the_engine_thread(
+        ) -> None:
+    """The bridge's copies ask to run inline up to INLINE_COPY_BYTES: a decode's copy of two
+    small blocks runs on the event loop (its engine thread is parked); blocks that add up to
+    more go to the engine thread, so a big copy never holds up the loop."""
+    loop_thread = threading.get_ident()
+    assert await _import_threads("small", None) == [loop_thread]
+    large = await _import_threads("large", INLINE_COPY_BYTES // 2 + 1)  # two are over it
+    assert len(large) == 1 and large != [loop_thread]

@@ -33,6 +33,11 @@ from pdserve.proto.v1 import common_pb2
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
+# Copies of at most this many bytes may run on the event loop while the engine thread is parked
+# (``AsyncEngine.call(inline=True)``): the hand-off to the engine thread and back costs more
+# than they take; a larger copy would hold up the loop's other work.
+INLINE_COPY_BYTES = 4 << 20
+
 
 @dataclass(frozen=True)
 class Exported:
@@ -171,7 +176,8 @@ class KvBridge:
                                         [self.client.slot_memory(pins[i].slot) for i in copied])
                 return copied, ticket
 
-            copied, ticket = await self.aengine.call(copy_out, inline=True)
+            copied, ticket = await self.aengine.call(copy_out,
+                                                     inline=self._small(len(blocks)))
             await ticket.wait_async()  # the slots hold the bytes (pinned, async on CUDA)
             sums = ticket.checksums or [block_checksum(self.client.slot_memory(pins[i].slot))
                                         for i in copied]
@@ -234,7 +240,7 @@ class KvBridge:
                     if with_checksums else [])
             staging = self._staging()
             _, ticket = await self.aengine.call(lambda _: staging.import_(hashes, views),
-                                                inline=True)
+                                                inline=self._small(len(views)))
             await ticket.wait_async()  # the slots are read before their pins go
             return sums
         finally:
@@ -253,6 +259,11 @@ class KvBridge:
         """Wait until every ``release_later`` has been answered (before closing the client)."""
         while self._releasing:
             await asyncio.gather(*self._releasing, return_exceptions=True)
+
+    def _small(self, num_blocks: int) -> bool:
+        """Whether copying ``num_blocks`` may run inline (``INLINE_COPY_BYTES``)."""
+        info = self.client.info
+        return info is not None and num_blocks * info.slot_bytes <= INLINE_COPY_BYTES
 
     def _staging(self) -> KvStaging:
         if self.staging is None:
