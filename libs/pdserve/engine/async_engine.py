@@ -1,6 +1,6 @@
 """One Engine, stepped by one dedicated thread, driven from asyncio.
 
-    asyncio loop (gRPC handlers)              engine thread (the only one touching Engine)
+    asyncio loop (gRPC handlers)              engine thread (touches Engine; see inline below)
     ---------------------------               -------------------------------------------
     await call(fn) ── commands (SimpleQueue) ─►  run queued commands between steps
     add_request() -> RequestStream               while work: step() -> outputs
@@ -11,7 +11,7 @@ stats) is a command the thread runs between two steps. Steps never block the eve
 a handler awaiting its queue costs nothing while the batch runs.
 
 A short call may ask to run at once (``call(fn, inline=True)``: adds, releases, the kvd
-bridge's block copies). On a CPU engine whose thread is parked (no step running, no command
+bridge's small block copies). On a CPU engine whose thread is parked (no step running, no command
 queued) it then runs on the caller's thread, under the lock the engine thread holds while it
 works, instead of waking the engine thread and waiting to be woken back: two thread hand-offs,
 0.15-0.3 ms on this repository's 2-vCPU machine. Otherwise it is queued like any call.
@@ -118,7 +118,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
-        self._progress: dict[str, int] = {}  # engine-thread only: computed tokens per request
+        self._progress: dict[str, int] = {}  # under _working: computed tokens per request
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
