@@ -3,7 +3,8 @@
     engine pages ──export_blocks──► kvd slots (allocate → write → commit [+ push to dest])
     engine pages ◄─import_blocks─── kvd slots (lookup / await → pins → read → release)
 
-Both copies are issued on the engine thread (``AsyncEngine.call``), between steps, straight into
+Both copies run between steps (``AsyncEngine.call``: on the engine thread, or on the caller's
+while a CPU engine's thread is parked and the copy is small, ``INLINE_COPY_BYTES``), straight into
 or out of the zero-copy slot views, so the bytes are copied once per direction; on CUDA they
 are pinned, asynchronous copies on a side stream (``kvd/staging.py``). Slots are pinned
 only for the copy: a commit releases the writer's pins, an import releases the reader's (its
