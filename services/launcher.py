@@ -54,6 +54,9 @@ _BIND_ATTEMPTS = 3  # Redis's port is picked here: one taken first is replaced
 # A child that ran this long before it died is respawned at once; quicker deaths back off.
 STABLE_S = 30.0
 SPARE_AFTER_S = 10.0  # an engine up this long gets a warm spare (services.supervisor_spare)
+# A service whose --ready-timeout ran out while the launcher waited on the ones before it in its
+# wave still gets this long: its ready line, if written, is read, not missed.
+READ_GRACE_S = 0.5
 
 
 def _module(name: str) -> list[str]:
@@ -104,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kvd-capacity-mib", type=int, default=256, help="pool size of each kvd")
     p.add_argument("--engine-arg", action="append", default=[],
                    help="extra flag for every engine, e.g. --engine-arg=--max-num-seqs=32")
-    p.add_argument("--ready-timeout", type=float, default=180.0)
+    p.add_argument("--ready-timeout", type=float, default=180.0,
+                   help="seconds each service may take, from its own start, to be ready "
+                        "(default 180)")
     p.add_argument("--prometheus-config", default="",
                    help="write a Prometheus scrape config for every service's /metrics here")
     p.add_argument("--log-dir", default="",
@@ -301,13 +306,16 @@ class Stack:
 
     def _start_wave(self, wave: list[Proc]) -> None:
         """Start every service of ``wave`` (on this thread: the parent-death signal is per
-        thread), then wait for their ready lines in order, each naming the port it bound."""
+        thread), then wait for their ready lines in order, each naming the port it bound.
+        Each service has ``--ready-timeout`` from its own start, not from the moment the
+        services before it in the wave were ready."""
         for proc in wave:
             proc.start(proc.env)
             self.started_at[proc.name] = time.monotonic()
         self._write_pidfile()
         for proc in wave:
-            self._bound(proc, proc.wait_ready(self.ns.ready_timeout))
+            left = self.started_at[proc.name] + self.ns.ready_timeout - time.monotonic()
+            self._bound(proc, proc.wait_ready(max(left, READ_GRACE_S)))
 
     def _bound(self, proc: Proc, port: int) -> list[Proc]:
         """``proc`` listens on ``port``: its own ``--port`` keeps it (a restart rebinds it), and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,42 @@ def test_services_that_name_each_other_are_refused() -> None:
         Proc("b", ["python", "-m", "x", "--peer", "<a>"], 0)
     with pytest.raises(RuntimeError, match="services name each other: a, b"):
         start_waves([a, b], lambda p: f"<{p.name}>")
+
+
+class _SlowToStart(Proc):
+    """Starts nothing; its ready line takes ``ready_after`` seconds (or never comes)."""
+
+    def __init__(self, name: str, ready_after: float | None) -> None:
+        super().__init__(name, ["python", "-m", "x", "--port", "0"], 0)
+        self.ready_after = ready_after
+        self.waited: float | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        pass
+
+    def wait_ready(self, timeout: float) -> int:
+        self.waited = timeout
+        if self.ready_after is None or self.ready_after > timeout:
+            time.sleep(timeout)
+            raise RuntimeError(f"{self.name} did not become ready")
+        time.sleep(self.ready_after)
+        return 1234
+
+
+def test_each_service_of_a_wave_gets_the_ready_timeout_from_its_own_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Services of a wave start together and are waited for in order: a slow first one does
+    not lend the ones after it its wait (before, each got the whole --ready-timeout again)."""
+    stack = Stack(_args(build_parser().parse_args(["--ready-timeout", "2"])))
+    monkeypatch.setattr(stack, "_write_pidfile", lambda: None)
+    monkeypatch.setattr(stack, "_bound", lambda proc, port: [])
+    slow, never = _SlowToStart("prefill-0", 1.2), _SlowToStart("prefill-1", None)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="prefill-1 did not become ready"):
+        stack._start_wave([slow, never])  # noqa: SLF001
+    assert slow.waited == pytest.approx(2.0, abs=0.1)
+    assert never.waited is not None and never.waited < 1.0  # what was left of its 2 s
+    assert time.monotonic() - started < 2.6  # 2 s from the wave's start, not 1.2 + 2
 
 
 @pytest.mark.parametrize("args", [["--prefill", "2", "--decode", "1"],
