@@ -37,14 +37,10 @@ def margin(timeout: float) -> float:
     return max(0.0, timeout - min(0.05, timeout / 10))
 
 
-def _allocated(kvd: Kvd, req: kvd_pb2.AllocateRequest) -> kvd_pb2.AllocateResponse:
+def allocate(kvd: Kvd, req: kvd_pb2.AllocateRequest) -> kvd_pb2.AllocateResponse:
     pins = kvd.allocate(req.num_slots, req.lease_ms, req.client_id)
     return kvd_pb2.AllocateResponse(pins=[kvd_pb2.Pin(slot=p.slot, pin_id=p.pin_id)
                                           for p in pins])
-
-
-async def allocate(kvd: Kvd, req: kvd_pb2.AllocateRequest) -> kvd_pb2.AllocateResponse:
-    return _allocated(kvd, req)
 
 
 async def commit(kvd: Kvd, req: kvd_pb2.CommitRequest) -> kvd_pb2.CommitResponse:
@@ -59,25 +55,13 @@ async def wait(kvd: Kvd, req: kvd_pb2.AwaitRequest, timeout: float) -> kvd_pb2.A
                                        for p in pins])
 
 
-def _released(kvd: Kvd, req: kvd_pb2.ReleaseRequest) -> kvd_pb2.ReleaseResponse:
+def release(kvd: Kvd, req: kvd_pb2.ReleaseRequest) -> kvd_pb2.ReleaseResponse:
     return kvd_pb2.ReleaseResponse(num_released=kvd.release(req.pin_ids, req.client_id))
-
-
-async def release(kvd: Kvd, req: kvd_pb2.ReleaseRequest) -> kvd_pb2.ReleaseResponse:
-    return _released(kvd, req)
 
 
 # Calls the daemon answers without waiting on anything: a carrier answers them as it reads them,
 # not in a task of their own (a task is one more turn of the event loop before the answer).
 AT_ONCE = frozenset({"allocate", "release"})
-
-
-def _span(kind: str | None, req: kvd_pb2.ControlRequest) -> trace.Span:
-    """The call's span, named as its unary rpc's (``Kvd.Commit``...), a child of the caller's
-    trace context."""
-    return _tracer.start_span(f"Kvd.{_RPC.get(kind or '', 'Control')}",
-                              context=propagate.extract(dict(req.trace_context)),
-                              kind=trace.SpanKind.SERVER)
 
 
 def answer_now(kvd: Kvd, req: kvd_pb2.ControlRequest) -> kvd_pb2.ControlResponse | None:
@@ -86,64 +70,64 @@ def answer_now(kvd: Kvd, req: kvd_pb2.ControlRequest) -> kvd_pb2.ControlResponse
     kind = req.WhichOneof("call")
     if kind not in AT_ONCE:
         return None
-    span = _span(kind, req)
-    with trace.use_span(span, end_on_exit=True):
-        out = kvd_pb2.ControlResponse(id=req.id)
-        with _answered(out, kind):
-            if kind == "allocate":
-                out.allocate.CopyFrom(_allocated(kvd, req.allocate))
-            else:
-                out.release.CopyFrom(_released(kvd, req.release))
-        _mark(span, out)
-        return out
+    with _serving(req, kind) as out:
+        _at_once(kvd, req, kind, out)
+    return out
 
 
 async def answer(kvd: Kvd, req: kvd_pb2.ControlRequest) -> kvd_pb2.ControlResponse:
     """Serve one request in a span named as its unary rpc's (``Kvd.Commit``...), a child of
     the caller's trace context."""
-    now = answer_now(kvd, req)
-    if now is not None:
-        return now
     kind = req.WhichOneof("call")
-    span = _span(kind, req)
-    with trace.use_span(span, end_on_exit=True):
-        out = kvd_pb2.ControlResponse(id=req.id)
-        with _answered(out, kind):
-            if kind == "commit":
-                out.commit.CopyFrom(await commit(kvd, req.commit))
-            elif kind == "wait":
-                timeout = (req.timeout_ms / 1000 if req.timeout_ms
-                           else kvd.config.transfer_timeout)
-                out.wait.CopyFrom(await wait(kvd, req.wait, margin(timeout)))
-            elif kind == "transfer":
-                out.transfer.CopyFrom(await kvd.transfer(req.transfer))
-            else:
-                raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
-                                  "call: one of allocate, commit, wait, release, transfer is "
-                                  "required")
-        _mark(span, out)
-        return out
+    with _serving(req, kind) as out:
+        if kind in AT_ONCE:
+            _at_once(kvd, req, kind, out)
+        elif kind == "commit":
+            out.commit.CopyFrom(await commit(kvd, req.commit))
+        elif kind == "wait":
+            timeout = req.timeout_ms / 1000 if req.timeout_ms else kvd.config.transfer_timeout
+            out.wait.CopyFrom(await wait(kvd, req.wait, margin(timeout)))
+        elif kind == "transfer":
+            out.transfer.CopyFrom(await kvd.transfer(req.transfer))
+        else:
+            raise StatusError(grpc.StatusCode.INVALID_ARGUMENT,
+                              "call: one of allocate, commit, wait, release, transfer is "
+                              "required")
+    return out
 
 
-def _mark(span: trace.Span, out: kvd_pb2.ControlResponse) -> None:
-    if out.WhichOneof("result") == "error":
-        span.set_status(trace.StatusCode.ERROR, str(out.error.code))
+def _at_once(kvd: Kvd, req: kvd_pb2.ControlRequest, kind: str | None,
+             out: kvd_pb2.ControlResponse) -> None:
+    if kind == "allocate":
+        out.allocate.CopyFrom(allocate(kvd, req.allocate))
+    else:
+        out.release.CopyFrom(release(kvd, req.release))
 
 
 @contextlib.contextmanager
-def _answered(out: kvd_pb2.ControlResponse, kind: str | None) -> Iterator[None]:
-    """A failure of the call becomes ``out``'s error: its status and message, or INTERNAL (as
-    the unary idiom answers) with the details in the log."""
-    try:
-        yield
-    except StatusError as exc:
-        out.error.code, out.error.message = exc.code.value[0], exc.message
-    except Exception as exc:  # noqa: BLE001 - answered INTERNAL like the unary idiom does
-        log.error("control call failed with an internal error", exc_info=exc,
-                  extra={"fields": {"call": kind}})
-        out.error.code = grpc.StatusCode.INTERNAL.value[0]
-        out.error.message = (f"{kind}: internal error ({type(exc).__name__}); the kvd log "
-                             "has the details")
+def _serving(req: kvd_pb2.ControlRequest, kind: str | None
+             ) -> Iterator[kvd_pb2.ControlResponse]:
+    """The call's answer, filled in the call's span (named as its unary rpc's, a child of the
+    caller's trace context). A failure becomes the answer's error: its status and message, or
+    INTERNAL (as the unary idiom answers) with the details in the log; an error marks the
+    span."""
+    span = _tracer.start_span(f"Kvd.{_RPC.get(kind or '', 'Control')}",
+                              context=propagate.extract(dict(req.trace_context)),
+                              kind=trace.SpanKind.SERVER)
+    out = kvd_pb2.ControlResponse(id=req.id)
+    with trace.use_span(span, end_on_exit=True):
+        try:
+            yield out
+        except StatusError as exc:
+            out.error.code, out.error.message = exc.code.value[0], exc.message
+        except Exception as exc:  # noqa: BLE001 - answered INTERNAL like the unary idiom does
+            log.error("control call failed with an internal error", exc_info=exc,
+                      extra={"fields": {"call": kind}})
+            out.error.code = grpc.StatusCode.INTERNAL.value[0]
+            out.error.message = (f"{kind}: internal error ({type(exc).__name__}); the kvd log "
+                                 "has the details")
+        if out.WhichOneof("result") == "error":
+            span.set_status(trace.StatusCode.ERROR, str(out.error.code))
 
 
 async def serve(kvd: Kvd, requests: AsyncIterator[kvd_pb2.ControlRequest]

@@ -37,7 +37,7 @@ class KvdServicer(kvd_pb2_grpc.KvdServicer):
     @rpc_handler("Allocate")
     async def Allocate(self, request: kvd_pb2.AllocateRequest,
                        context: grpc.aio.ServicerContext) -> kvd_pb2.AllocateResponse:
-        return await control.allocate(self.kvd, request)
+        return control.allocate(self.kvd, request)
 
     @rpc_handler("Commit")
     async def Commit(self, request: kvd_pb2.CommitRequest,
@@ -60,7 +60,7 @@ class KvdServicer(kvd_pb2_grpc.KvdServicer):
     @rpc_handler("Release")
     async def Release(self, request: kvd_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> kvd_pb2.ReleaseResponse:
-        return await control.release(self.kvd, request)
+        return control.release(self.kvd, request)
 
     @rpc_handler("Stats")
     async def Stats(self, request: kvd_pb2.KvdStatsRequest,

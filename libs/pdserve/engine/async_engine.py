@@ -159,12 +159,10 @@ class AsyncEngine:
         if inline and self._inline and self._working.acquire(blocking=False):
             try:
                 if self._commands.empty():  # nothing queued before it: the order holds
-                    try:
-                        return fn(self.engine)
-                    finally:
-                        self._wake.set()  # the thread looks for work (an add) again
+                    return fn(self.engine)
             finally:
                 self._working.release()
+                self._wake.set()  # the thread looks again for work (an add, or what is queued)
         loop, fut = self._loop, self._loop.create_future()
 
         def command() -> None:
