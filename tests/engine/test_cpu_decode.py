@@ -19,6 +19,7 @@ from pdserve.attention import cpu_decode, get_backend
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.torch_backend import TorchBackend
 from pdserve.engine.config import EngineArgs
+from pdserve.engine.sampler import torch_argmax
 from pdserve.sampling_params import SamplingParams
 from services.prefill.config import PrefillConfig
 from tests.engine.helpers import make_engine, random_prompts, run_all
@@ -257,7 +258,47 @@ def test_greedy_tokens_equal_with_and_without_the_kernel() -> None:
     off = make_engine(num_blocks=64, native_kernels="off")
     assert on.runner.backend.native is not None  # type: ignore[attr-defined]
     assert off.runner.backend.native is None  # type: ignore[attr-defined]
+    assert on.runner.sampler.argmax is not torch_argmax  # the native one picks the tokens
+    assert off.runner.sampler.argmax is torch_argmax
     assert run_all(on, prompts, params)[0] == run_all(off, prompts, params)[0]
+
+
+@runs_here
+def test_the_argmax_is_torchs(isa: str) -> None:
+    """The sampler's native argmax gives torch.argmax's index on every row: the first of
+    tied maxima, the first NaN where a row has one, at widths that end in the 16-lane body or
+    in the tail."""
+    argmax = cpu_decode.argmax("on")
+    assert argmax is not None
+    g = torch.Generator().manual_seed(11)
+    for width in (1, 2, 15, 16, 17, 40, 49152):
+        x = torch.randn(10, width, generator=g)
+        x[1] = 0.0  # all tied
+        x[2] = -float("inf")
+        x[3, -1] = 100.0  # the last lane, or the tail
+        x[4, width // 3] = x[4, width - 1] = 50.0  # tied maxima
+        x[5, width // 2], x[5, 0] = float("nan"), float("inf")  # NaN beats inf
+        x[6, -1] = float("nan")
+        x[7] = -1.0
+        x[7, width // 2], x[7, -1] = -0.0, 0.0  # signed zeros are equal
+        x[8] = torch.randint(0, 3, (width,), generator=g).float()
+        x[9, width // 4] = float("inf")
+        got = argmax(x)
+        assert got.dtype == torch.long
+        assert torch.equal(got, x.argmax(-1)), width
+    other = torch.randn(3, 40, generator=g)
+    for rows in (other.bfloat16(), other.t(), other[:0]):  # torch's, or made contiguous
+        assert torch.equal(argmax(rows), rows.argmax(-1))
+
+
+@runs_here
+def test_the_argmax_kernel_refuses_other_rows_by_name() -> None:
+    module = cpu_decode.module("on")
+    for rows in (torch.randn(2, 4).double(), torch.randn(4, 2).t(), torch.randn(2, 0),
+                 torch.randn(8)):
+        with pytest.raises(RuntimeError) as err:
+            module.argmax_f32(rows)
+        assert "x must be a contiguous float32 CPU [T, N] tensor, N >= 1" in str(err.value)
 
 
 @runs_here

@@ -57,7 +57,8 @@ class Engine:
                                  args.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(lm.model, self.kv, parts.backend,
-                                  Sampler(args.seed, device), device, parts.graphs)
+                                  Sampler(args.seed, device, parts.argmax), device,
+                                  parts.graphs)
         self.device = device
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.requests: dict[str, Request] = {}

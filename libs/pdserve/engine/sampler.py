@@ -10,6 +10,7 @@ rest share one, so a seeded request's samples do not depend on its batch neighbo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +28,22 @@ class SamplerOutput:
     logprobs: list[Logprob | None]
 
 
+# rows [T, V] -> the index of each row's largest value, torch.argmax's answer (ties: the first;
+# NaN counts as the largest).
+Argmax = Callable[[torch.Tensor], torch.Tensor]
+
+
+def torch_argmax(rows: torch.Tensor) -> torch.Tensor:
+    return rows.argmax(-1)
+
+
 class Sampler:
-    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+    """``argmax``: the greedy pick and the race's winner (``attention/cpu_decode.argmax``, the
+    native kernel, on CPU engines)."""
+
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu",
+                 argmax: Argmax = torch_argmax) -> None:
+        self.argmax = argmax
         self.generator = torch.Generator(device)
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -39,7 +54,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         logits = process_logits(logits.float(), reqs)  # grammar, logit_bias, penalties
         params = [r.params for r in reqs]
-        greedy = logits.argmax(-1)
+        greedy = self.argmax(logits)
         tokens = greedy if all(p.is_greedy for p in params) else self._sample(logits, reqs, greedy)
         return SamplerOutput(tokens.tolist(), self._logprobs(logits, tokens, reqs))
 
@@ -64,7 +79,7 @@ class Sampler:
             probs = scaled.softmax(-1)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True)[0],
                                       0.0)
-            return torch.where(is_greedy, greedy, (probs / race).argmax(-1))
+            return torch.where(is_greedy, greedy, self.argmax(probs / race))
         sorted_logits, order = scaled.sort(-1, descending=True)
         rank = torch.arange(vocab, device=dev)[None, :]
         drop = rank >= top_k[:, None]
@@ -76,7 +91,7 @@ class Sampler:
         drop |= probs < (min_p[:, None] * probs[:, :1])
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = sorted_logits.softmax(-1)
-        picked = order.gather(1, (probs / race).argmax(-1, keepdim=True)).squeeze(1)
+        picked = order.gather(1, self.argmax(probs / race)[:, None]).squeeze(1)
         return torch.where(is_greedy, greedy, picked)
 
     def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.attention import AttentionBackend, get_backend
+from pdserve.attention import AttentionBackend, cpu_decode, get_backend
 from pdserve.attention.base import AttentionMetadata
 from pdserve.attention.decode_mirror import MAX_BYTES as MIRROR_MAX_BYTES
 from pdserve.attention.flashinfer_backend import FlashInferBackend
@@ -29,6 +29,7 @@ from pdserve.engine.config import EngineArgs, check_device
 from pdserve.engine.cuda_graphs import DecodeGraphs, try_capture
 from pdserve.engine.kv_cache import PagedKVCache
 from pdserve.engine.memory import measure_gpu_budget, num_blocks_for
+from pdserve.engine.sampler import Argmax, torch_argmax
 
 if TYPE_CHECKING:
     from pdserve.models import LoadedModel
@@ -44,6 +45,7 @@ class EngineParts:
     backend: AttentionBackend
     graphs: DecodeGraphs | None
     kernels: str
+    argmax: Argmax  # the sampler's (the native kernel's on a CPU engine where it runs)
 
 
 def build_parts(lm: LoadedModel, args: EngineArgs, max_model_len: int) -> EngineParts:
@@ -86,7 +88,9 @@ def build_parts(lm: LoadedModel, args: EngineArgs, max_model_len: int) -> Engine
         graphs = try_capture(DecodeGraphs(lm.model, backend, args.max_num_seqs,
                                           scratch_page=num_blocks,
                                           num_pages=num_blocks + 1, device=device))
-    return EngineParts(device, num_blocks, cache, backend, graphs, kernels)
+    argmax = cpu_decode.argmax(args.native_kernels) if device.type == "cpu" else None
+    return EngineParts(device, num_blocks, cache, backend, graphs, kernels,
+                       argmax or torch_argmax)
 
 
 def packed_gemms(model: torch.nn.Module) -> str:

@@ -91,6 +91,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_bf16(const torch::Tensor& 
                                                            const torch::Tensor& weight,
                                                            double eps);
 torch::Tensor silu_and_mul_bf16(const torch::Tensor& x);
+torch::Tensor argmax_f32(const torch::Tensor& x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over per-sequence K/V rows");
@@ -99,4 +100,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "bfloat16 RMSNorm, Hugging Face's rounding");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "(rms_norm(x + residual), x + residual)");
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up of [gate | up]");
+  m.def("argmax_f32", &argmax_f32, "torch.argmax(x, -1) of float32 rows");
 }

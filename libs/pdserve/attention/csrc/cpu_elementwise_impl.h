@@ -1,5 +1,5 @@
 // The loops of the bfloat16 RMSNorm and SiLU-and-mul (cpu_elementwise.cpp says what they
-// compute and how they round), compiled for AVX2 and FMA (cpu_kernels_avx2.cpp) and for AVX-512
+// compute and how they round) and of the float32 argmax, compiled for AVX2 and FMA (cpu_kernels_avx2.cpp) and for AVX-512
 // F, BW, VL and DQ (cpu_kernels_avx512.cpp) over the SIMD layer of cpu_simd.h. The including
 // file has included <ATen/Parallel.h>, <immintrin.h>, <torch/extension.h> and <cmath>, enabled
 // its instruction set and names the namespace (PD_KERNEL_NS); the caller has checked the
@@ -55,6 +55,48 @@ void silu_and_mul_rows(const bf16* xp, bf16* op, int64_t rows, int64_t n) {
         vf silu = vdiv(g, vadd(vset1(1.0f), exp16(vsub(vzero(), g))));
         store_bf16(op + i * n + j, vmul(round_bf16(silu), load16(gate + n + j)));
       }
+    }
+  });
+}
+
+// out[i] = torch.argmax(x[i]) for float32 rows: the first index of the row's largest value,
+// or of its first NaN where it has one (torch counts NaN as the largest). Two passes over a
+// row (its maximum, then where it first occurs) that stay in cache: one row of a 150k-token
+// vocabulary is 600 KiB.
+void argmax_rows(const float* x, int64_t* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xi = x + i * n;
+      const int64_t body = n / 16 * 16;
+      vf mx = vset1(-INFINITY);
+      unsigned nan = 0;
+      for (int64_t j = 0; j < body; j += 16) {
+        const vf v = load16(xi + j);
+        nan |= nan_lanes(v);
+        mx = vmax(mx, v);
+      }
+      float m = vreduce_max(mx);
+      for (int64_t j = body; j < n; ++j) {
+        nan |= std::isnan(xi[j]) ? 1u : 0u;
+        if (xi[j] > m) m = xi[j];
+      }
+      int64_t at = 0;
+      if (nan != 0) {
+        while (!std::isnan(xi[at])) ++at;
+      } else {
+        const vf mz = vset1(m);
+        at = body;  // where none of the body holds it, the tail does
+        for (int64_t j = 0; j < body; j += 16) {
+          const unsigned hit = eq_lanes(load16(xi + j), mz);
+          if (hit != 0) {
+            at = j + __builtin_ctz(hit);
+            break;
+          }
+        }
+        if (at == body)
+          while (xi[at] != m) ++at;
+      }
+      out[i] = at;
     }
   });
 }

@@ -20,7 +20,8 @@ Isa isa();  // cpu_decode_attention.cpp
   void norm_rows(const c10::BFloat16* x, const c10::BFloat16* r, const c10::BFloat16* w,    \
                  c10::BFloat16* out, c10::BFloat16* sum_out, int64_t rows, int64_t n,       \
                  float eps);                                                                \
-  void silu_and_mul_rows(const c10::BFloat16* x, c10::BFloat16* out, int64_t rows, int64_t n);
+  void silu_and_mul_rows(const c10::BFloat16* x, c10::BFloat16* out, int64_t rows, int64_t n); \
+  void argmax_rows(const float* x, int64_t* out, int64_t rows, int64_t n);
 
 namespace avx2 {
 PD_DECLARE_DECODE

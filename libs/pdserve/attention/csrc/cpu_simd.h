@@ -35,6 +35,10 @@ inline vf load_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first
 inline vf keep_n(vf x, int64_t n) { return _mm512_maskz_mov_ps(first(n), x); }
 inline void store_n(float* p, vf x, int64_t n) { _mm512_mask_storeu_ps(p, first(n), x); }
 
+// Bit i set where lane i of a equals lane i of b (a NaN equals nothing); where lane i is NaN.
+inline unsigned eq_lanes(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+inline unsigned nan_lanes(vf x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }
+
 // 16 bfloat16 values (a __m256i) widened to float32: exact, bfloat16 is float32's top half.
 inline vf widen(__m256i raw) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
@@ -127,6 +131,17 @@ inline void store_n(float* p, vf x, int64_t n) {
   const mask16 m = first(n);
   _mm256_maskstore_ps(p, m.lo, x.lo);
   _mm256_maskstore_ps(p + 8, m.hi, x.hi);
+}
+
+inline unsigned lanes16(__m256 lo, __m256 hi) {
+  return static_cast<unsigned>(_mm256_movemask_ps(lo)) |
+         static_cast<unsigned>(_mm256_movemask_ps(hi)) << 8;
+}
+inline unsigned eq_lanes(vf a, vf b) {
+  return lanes16(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ));
+}
+inline unsigned nan_lanes(vf x) {
+  return lanes16(_mm256_cmp_ps(x.lo, x.lo, _CMP_UNORD_Q), _mm256_cmp_ps(x.hi, x.hi, _CMP_UNORD_Q));
 }
 
 inline vf widen(__m256i raw) {
