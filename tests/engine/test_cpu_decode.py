@@ -531,6 +531,53 @@ def test_the_bf16_elementwise_kernels_round_like_the_torch_ones(isa: str) -> Non
 
 
 @runs_here
+def test_the_bf16_rope_equals_the_torch_one(isa: str) -> None:
+    """q and k rotated from the fused projection's output (a view: the token stride spans
+    v too), bit for bit as torch's bfloat16 ops give them, k contiguous; NaN where torch's."""
+    from pdserve.models.kernels import TORCH_KERNELS, CpuKernels
+    from pdserve.models.rope import RopeConfig, Rotary
+
+    native = CpuKernels(cpu_decode.module("on"))
+    g = torch.Generator().manual_seed(9)
+    for tokens, head_dim, hq, hk in ((32, 64, 9, 3), (5, 32, 4, 4), (40, 128, 8, 1),
+                                     (1, 256, 2, 2)):
+        qkv = (torch.randn(tokens, (hq + 2 * hk) * head_dim, generator=g) * 4).bfloat16()
+        qk = qkv[:, :(hq + hk) * head_dim].view(tokens, hq + hk, head_dim)
+        positions = torch.randint(0, 32768, (tokens,), generator=g)
+        inputs = TORCH_KERNELS.rope_inputs(Rotary(RopeConfig(), head_dim), positions,
+                                           torch.bfloat16)
+        (q, k), (eq, ek) = native.rope_qk(qk, hq, inputs), TORCH_KERNELS.rope_qk(qk, hq, inputs)
+        assert torch.equal(q, eq) and torch.equal(k, ek), (tokens, head_dim)
+        assert k.is_contiguous() and q.shape == eq.shape and k.shape == ek.shape
+    qkv[0, 3], qkv[0, head_dim + 1] = float("nan"), float("inf")
+    (q, k), (eq, ek) = native.rope_qk(qk, hq, inputs), TORCH_KERNELS.rope_qk(qk, hq, inputs)
+    assert torch.equal(torch.isnan(q), torch.isnan(eq)) and torch.isnan(q).any()
+    assert torch.equal(q.nan_to_num(0.0), eq.nan_to_num(0.0))
+
+
+@runs_here
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda qk, c, s: (qk.float(), c, s), "qk must be a bfloat16 CPU [T, H, D] tensor"),
+    (lambda qk, c, s: (qk.transpose(0, 1), c, s), "qk must be a bfloat16 CPU [T, H, D] tensor"),
+    (lambda qk, c, s: (qk[:, :, :48], c[:, :24], s[:, :24]),
+     "qk must be a bfloat16 CPU [T, H, D] tensor"),
+    (lambda qk, c, s: (qk, c[:, :16], s), "cos and sin must be contiguous bfloat16 [T, D / 2]"),
+    (lambda qk, c, s: (qk, c, s.t().contiguous().t()),
+     "cos and sin must be contiguous bfloat16 [T, D / 2]"),
+])
+def test_the_rope_kernel_refuses_other_shapes_by_name(change, message) -> None:  # type: ignore[no-untyped-def]
+    module = cpu_decode.module("on")
+    qk = torch.randn(4, 6, 64).bfloat16()
+    cos, sin = torch.randn(4, 32).bfloat16(), torch.randn(4, 32).bfloat16()
+    with pytest.raises(RuntimeError) as err:
+        module.rope_qk_bf16(*change(qk, cos, sin), 4)
+    assert message in str(err.value)
+    with pytest.raises(RuntimeError) as err:
+        module.rope_qk_bf16(qk, cos, sin, 7)
+    assert "num_q_heads must be in [0, H]" in str(err.value)
+
+
+@runs_here
 def test_float32_and_other_shapes_keep_the_torch_kernels() -> None:
     from pdserve.models.kernels import TORCH_KERNELS, CpuKernels
 
@@ -541,6 +588,16 @@ def test_float32_and_other_shapes_keep_the_torch_kernels() -> None:
     xb = torch.randn(3, 40).bfloat16()  # a width the kernel does not take
     assert torch.equal(native.rms_norm(xb, torch.ones(40).bfloat16(), 1e-6),
                        TORCH_KERNELS.rms_norm(xb, torch.ones(40).bfloat16(), 1e-6))
+    # RoPE: float32, and a head_dim whose half is no multiple of 16, stay torch's
+    from pdserve.models.rope import RopeConfig, Rotary
+
+    for dtype, head_dim in ((torch.float32, 64), (torch.bfloat16, 48)):
+        qk = torch.randn(3, 4, head_dim).to(dtype)
+        inputs = TORCH_KERNELS.rope_inputs(Rotary(RopeConfig(), head_dim), torch.arange(3),
+                                           dtype)
+        for a, b in zip(native.rope_qk(qk, 2, inputs), TORCH_KERNELS.rope_qk(qk, 2, inputs),
+                        strict=True):
+            assert torch.equal(a, b)
 
 
 def test_kernels_follow_the_mode(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -112,9 +112,9 @@ class FlashInferKernels(Kernels):
 
 
 class CpuKernels(Kernels):
-    """pdserve's C++ bfloat16 RMSNorm (with the residual add) and SiLU-and-mul on the CPU
-    (``attention/csrc/cpu_elementwise.cpp``): one pass each instead of torch's 5-7 ops, the
-    same roundings as the torch versions; float32 and other shapes go to those."""
+    """pdserve's C++ bfloat16 RMSNorm (with the residual add), SiLU-and-mul and RoPE of q
+    and k on the CPU (``attention/csrc/cpu_elementwise.cpp``): one pass each instead of torch's
+    5-8 ops, the same roundings as the torch versions; float32 and other shapes go to those."""
 
     name = "cpu-native"
 
@@ -143,6 +143,20 @@ class CpuKernels(Kernels):
         if self._fits(x) and x.shape[-1] % 32 == 0:
             return self._ops.silu_and_mul_bf16(x.contiguous())  # type: ignore[no-any-return]
         return super().silu_and_mul(x)
+
+    def rope_qk(self, qk: torch.Tensor, num_q_heads: int, inputs: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass writing q and k (both contiguous) instead of torch's seven ops and k's
+        copy; each product, difference and sum rounded to bfloat16 as torch's ops round."""
+        cos, sin = inputs
+        tokens, _, head_dim = qk.shape
+        if qk.dtype == cos.dtype == sin.dtype == torch.bfloat16 and head_dim % 32 == 0 \
+                and qk.stride(2) == 1 and qk.stride(1) == head_dim \
+                and cos.shape[-1] * 2 == head_dim:
+            q, k = self._ops.rope_qk_bf16(qk, cos.reshape(tokens, -1), sin.reshape(tokens, -1),
+                                          num_q_heads)
+            return q, k
+        return super().rope_qk(qk, num_q_heads, inputs)
 
 
 TORCH_KERNELS = Kernels()

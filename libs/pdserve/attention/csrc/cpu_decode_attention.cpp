@@ -92,6 +92,9 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm_bf16(const torch::Tensor& 
                                                            double eps);
 torch::Tensor silu_and_mul_bf16(const torch::Tensor& x);
 torch::Tensor argmax_f32(const torch::Tensor& x);
+std::tuple<torch::Tensor, torch::Tensor> rope_qk_bf16(const torch::Tensor& qk,
+                                                      const torch::Tensor& cos,
+                                                      const torch::Tensor& sin, int64_t hq);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over per-sequence K/V rows");
@@ -101,4 +104,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "(rms_norm(x + residual), x + residual)");
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up of [gate | up]");
   m.def("argmax_f32", &argmax_f32, "torch.argmax(x, -1) of float32 rows");
+  m.def("rope_qk_bf16", &rope_qk_bf16, "(q, k) of [q | k] heads rotated (neox), torch's rounding");
 }

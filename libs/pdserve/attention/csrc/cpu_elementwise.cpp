@@ -2,8 +2,9 @@
 // where Hugging Face's bfloat16 modules round: the residual sum to bfloat16, the normalised
 // value to bfloat16 before the weight, SiLU's output to bfloat16 before the product. Only the
 // float32 sum of squares (summed in another order) and exp (a polynomial) differ from torch's,
-// in float32's last bits. Used by pdserve/models/kernels.py (CpuKernels). Also the sampler's
-// float32 argmax (argmax_f32), exact. Built with cpu_decode_attention.cpp into one module
+// in float32's last bits. Used by pdserve/models/kernels.py (CpuKernels), with the bfloat16
+// RoPE of q and k (rope_qk_bf16, each product, sum and difference rounded as torch's ops
+// round). Also the sampler's float32 argmax (argmax_f32), exact. Built with cpu_decode_attention.cpp into one module
 // (pdserve/attention/cpu_decode.py).
 #include <torch/extension.h>
 
@@ -83,4 +84,29 @@ torch::Tensor argmax_f32(const torch::Tensor& x) {
   if (isa() == Isa::avx2) avx2::argmax_rows(xp, op, x.size(0), x.size(1));
   else avx512::argmax_rows(xp, op, x.size(0), x.size(1));
   return out;
+}
+
+// qk [T, H, D] bfloat16 (the fused projection's q and k heads: any token stride, heads D
+// apart), cos and sin [T, D / 2] -> (q [T, hq, D], k [T, H - hq, D]) rotated, contiguous.
+std::tuple<torch::Tensor, torch::Tensor> rope_qk_bf16(const torch::Tensor& qk,
+                                                      const torch::Tensor& cos,
+                                                      const torch::Tensor& sin, int64_t hq) {
+  TORCH_CHECK(qk.device().is_cpu() && qk.scalar_type() == torch::kBFloat16 && qk.dim() == 3 &&
+                  qk.stride(2) == 1 && qk.stride(1) == qk.size(2) && qk.size(2) % 32 == 0,
+              "qk must be a bfloat16 CPU [T, H, D] tensor with contiguous heads, D a multiple "
+              "of 32");
+  const int64_t T = qk.size(0), H = qk.size(1), D = qk.size(2);
+  TORCH_CHECK(hq >= 0 && hq <= H, "num_q_heads must be in [0, H]");
+  for (const auto* c : {&cos, &sin})
+    TORCH_CHECK(c->scalar_type() == torch::kBFloat16 && c->is_contiguous() && c->dim() == 2 &&
+                    c->size(0) == T && c->size(1) == D / 2,
+                "cos and sin must be contiguous bfloat16 [T, D / 2]");
+  auto q = torch::empty({T, hq, D}, qk.options());
+  auto k = torch::empty({T, H - hq, D}, qk.options());
+  if (T == 0) return {q, k};
+  const bf16 *x = qk.data_ptr<bf16>(), *c = cos.data_ptr<bf16>(), *s = sin.data_ptr<bf16>();
+  bf16 *qp = q.data_ptr<bf16>(), *kp = k.data_ptr<bf16>();
+  if (isa() == Isa::avx2) avx2::rope_rows(x, qk.stride(0), c, s, qp, kp, T, H, hq, D);
+  else avx512::rope_rows(x, qk.stride(0), c, s, qp, kp, T, H, hq, D);
+  return {q, k};
 }

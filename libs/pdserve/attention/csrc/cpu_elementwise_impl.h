@@ -1,5 +1,5 @@
 // The loops of the bfloat16 RMSNorm and SiLU-and-mul (cpu_elementwise.cpp says what they
-// compute and how they round) and of the float32 argmax, compiled for AVX2 and FMA (cpu_kernels_avx2.cpp) and for AVX-512
+// compute and how they round), of the bfloat16 RoPE and of the float32 argmax, compiled for AVX2 and FMA (cpu_kernels_avx2.cpp) and for AVX-512
 // F, BW, VL and DQ (cpu_kernels_avx512.cpp) over the SIMD layer of cpu_simd.h. The including
 // file has included <ATen/Parallel.h>, <immintrin.h>, <torch/extension.h> and <cmath>, enabled
 // its instruction set and names the namespace (PD_KERNEL_NS); the caller has checked the
@@ -54,6 +54,30 @@ void silu_and_mul_rows(const bf16* xp, bf16* op, int64_t rows, int64_t n) {
         vf g = load16(gate + j);
         vf silu = vdiv(g, vadd(vset1(1.0f), exp16(vsub(vzero(), g))));
         store_bf16(op + i * n + j, vmul(round_bf16(silu), load16(gate + n + j)));
+      }
+    }
+  });
+}
+
+// Neox RoPE of the fused projection's q and k heads, rounding as torch's bfloat16 ops round
+// (Hugging Face's apply_rotary_pos_emb): with h = D / 2, x1 = x[:h], x2 = x[h:],
+//   out[:h] = bf16(bf16(x1 * cos) - bf16(x2 * sin)), out[h:] = bf16(bf16(x2 * cos) + bf16(x1 * sin)).
+// qk: T tokens of H heads of D values (token stride ``stride``, head stride D); the first
+// ``hq`` heads go to q [T, hq, D], the rest to k [T, H - hq, D]; cos, sin [T, h].
+void rope_rows(const bf16* qk, int64_t stride, const bf16* cos, const bf16* sin, bf16* q,
+               bf16* k, int64_t tokens, int64_t heads, int64_t hq, int64_t d) {
+  const int64_t h = d / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t j = 0; j < h; j += 16) {
+        const vf c = load16(cos + t * h + j), s = load16(sin + t * h + j);
+        for (int64_t a = 0; a < heads; ++a) {
+          const bf16* x = qk + t * stride + a * d;
+          bf16* o = a < hq ? q + (t * hq + a) * d : k + (t * (heads - hq) + a - hq) * d;
+          const vf x1 = load16(x + j), x2 = load16(x + h + j);
+          store_bf16(o + j, vsub(round_bf16(vmul(x1, c)), round_bf16(vmul(x2, s))));
+          store_bf16(o + h + j, vadd(round_bf16(vmul(x2, c)), round_bf16(vmul(x1, s))));
+        }
       }
     }
   });

@@ -21,7 +21,10 @@ Isa isa();  // cpu_decode_attention.cpp
                  c10::BFloat16* out, c10::BFloat16* sum_out, int64_t rows, int64_t n,       \
                  float eps);                                                                \
   void silu_and_mul_rows(const c10::BFloat16* x, c10::BFloat16* out, int64_t rows, int64_t n); \
-  void argmax_rows(const float* x, int64_t* out, int64_t rows, int64_t n);
+  void argmax_rows(const float* x, int64_t* out, int64_t rows, int64_t n);                 \
+  void rope_rows(const c10::BFloat16* qk, int64_t stride, const c10::BFloat16* cos,          \
+                 const c10::BFloat16* sin, c10::BFloat16* q, c10::BFloat16* k, int64_t tokens, \
+                 int64_t heads, int64_t hq, int64_t d);
 
 namespace avx2 {
 PD_DECLARE_DECODE
