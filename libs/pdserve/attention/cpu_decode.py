@@ -26,7 +26,7 @@ cpp_extension takes it) both build it; with clang the kernels' loops run on the 
 AVX2 and FMA (AVX-512 F, BW, VL and DQ, and AVX-512-BF16, are used where present: ``isa()``) and
 the build works, otherwise
 SDPA (one log line says why); "on" raises instead; "off" never builds it. The same module
-carries bfloat16 RMSNorm (with the residual add) and SiLU-and-mul
+carries bfloat16 RMSNorm (with the residual add), SiLU-and-mul and RoPE
 (``csrc/cpu_elementwise.cpp``), which ``models/kernels.py`` uses under the same mode, and the
 sampler's float32 argmax (``argmax``), in both dtypes.
 """
@@ -235,7 +235,7 @@ def load(mode: str = "auto") -> DecodeKernel | None:
 
 def module(mode: str = "auto") -> Any:
     """The built module (``decode_attention``, ``rms_norm_bf16``, ``add_rms_norm_bf16``,
-    ``silu_and_mul_bf16``, ``argmax_f32``), on ``load``'s terms."""
+    ``silu_and_mul_bf16``, ``rope_qk_bf16``, ``argmax_f32``), on ``load``'s terms."""
     global _built
     if mode not in MODES:
         raise ValueError(f"native_kernels must be one of {MODES}, got {mode!r}")
