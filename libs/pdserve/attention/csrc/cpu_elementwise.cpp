@@ -4,8 +4,8 @@
 // float32 sum of squares (summed in another order) and exp (a polynomial) differ from torch's,
 // in float32's last bits. Used by pdserve/models/kernels.py (CpuKernels), with the bfloat16
 // RoPE of q and k (rope_qk_bf16, each product, sum and difference rounded as torch's ops
-// round). Also the sampler's float32 argmax (argmax_f32), exact. Built with cpu_decode_attention.cpp into one module
-// (pdserve/attention/cpu_decode.py).
+// round). Also the sampler's float32 argmax (argmax_f32), exact. Built with
+// cpu_decode_attention.cpp into one module (pdserve/attention/cpu_decode.py).
 #include <torch/extension.h>
 
 #include <tuple>

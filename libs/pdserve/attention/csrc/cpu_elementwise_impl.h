@@ -1,9 +1,9 @@
-// The loops of the bfloat16 RMSNorm and SiLU-and-mul (cpu_elementwise.cpp says what they
-// compute and how they round), of the bfloat16 RoPE and of the float32 argmax, compiled for AVX2 and FMA (cpu_kernels_avx2.cpp) and for AVX-512
-// F, BW, VL and DQ (cpu_kernels_avx512.cpp) over the SIMD layer of cpu_simd.h. The including
-// file has included <ATen/Parallel.h>, <immintrin.h>, <torch/extension.h> and <cmath>, enabled
-// its instruction set and names the namespace (PD_KERNEL_NS); the caller has checked the
-// shapes.
+// The loops of the bfloat16 RMSNorm, SiLU-and-mul and RoPE and of the float32 argmax
+// (cpu_elementwise.cpp says what they compute and how they round), compiled for AVX2 and FMA
+// (cpu_kernels_avx2.cpp) and for AVX-512 F, BW, VL and DQ (cpu_kernels_avx512.cpp) over the
+// SIMD layer of cpu_simd.h. The including file has included <ATen/Parallel.h>, <immintrin.h>,
+// <torch/extension.h> and <cmath>, enabled its instruction set and names the namespace
+// (PD_KERNEL_NS); the caller has checked the shapes.
 #include "cpu_simd.h"
 
 namespace PD_KERNEL_NS {
@@ -61,7 +61,8 @@ void silu_and_mul_rows(const bf16* xp, bf16* op, int64_t rows, int64_t n) {
 
 // Neox RoPE of the fused projection's q and k heads, rounding as torch's bfloat16 ops round
 // (Hugging Face's apply_rotary_pos_emb): with h = D / 2, x1 = x[:h], x2 = x[h:],
-//   out[:h] = bf16(bf16(x1 * cos) - bf16(x2 * sin)), out[h:] = bf16(bf16(x2 * cos) + bf16(x1 * sin)).
+//   out[:h] = bf16(bf16(x1 * cos) - bf16(x2 * sin)),
+//   out[h:] = bf16(bf16(x2 * cos) + bf16(x1 * sin)).
 // qk: T tokens of H heads of D values (token stride ``stride``, head stride D); the first
 // ``hq`` heads go to q [T, hq, D], the rest to k [T, H - hq, D]; cos, sin [T, h].
 void rope_rows(const bf16* qk, int64_t stride, const bf16* cos, const bf16* sin, bf16* q,
